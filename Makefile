@@ -1,0 +1,56 @@
+# Two commands on a fresh machine: `make demo` (main job, CPU defaults) and `make test`.
+# Both install what they need first (system packages when possible, then a virtualenv); both are idempotent.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.py))
+DEMO_NOTEBOOKS := 00_flows_2d
+
+.PHONY: install system-deps demo test unit nbval sync notebooks check-pairs clean
+
+install: system-deps $(STAMP)
+
+# The one place for system packages (Vulkan for ManiSkill on CPU): see flowlib/sysdeps.py.
+system-deps:
+	@$(PYTHON) -m flowlib.sysdeps
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU install path: keep the pin (the local CPU wheel); a plain `torch` pulls GBs of CUDA wheels.
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[dev,sim]"
+	touch $@
+
+demo: install
+	@for nb in $(DEMO_NOTEBOOKS); do \
+		echo "== $$nb (default parameters)"; \
+		$(PY) -m flowlib.run $$nb || exit 1; \
+	done
+	@echo "Results: outputs/<notebook>/default/ (executed notebook, params.yaml, metrics, figures)"
+
+# Unit tests and the notebooks' reference outputs, in one pytest run.
+test: install
+	$(PY) -m pytest tests notebooks --nbval-lax -v -rs --durations=15
+
+unit: install
+	$(PY) -m pytest tests
+
+# Re-pair every notebook from its .py source (keeps the .ipynb outputs of unchanged cells).
+sync: install
+	$(PY) -m jupytext --sync $(NOTEBOOKS)
+
+# Re-execute the notebooks on their defaults and store the outputs as the nbval references.
+notebooks: install
+	@for py in $(NOTEBOOKS); do \
+		echo "== executing $$py"; \
+		$(PY) -m jupytext --sync --execute $$py || exit 1; \
+	done
+
+check-pairs: install
+	$(PY) -m pytest tests/test_notebooks.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

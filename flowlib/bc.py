@@ -1,0 +1,284 @@
+"""Stage 1: ShortCut Flow behaviour cloning of action chunks.
+
+A ``FlowPolicy`` is a ``flowlib.flows.ShortCut`` model over normalised action chunks ``[B, H, A]``
+(``ShortCutVelocityUNet1D``) conditioned on a normalised observation window ``[B, To, O]``, plus
+the normalisers and horizons.  It acts by integrating the flow ODE from seeded noise in ``K`` steps
+(deterministic given the noise) and executing ``act_horizon`` actions of the chunk.
+
+Checkpoints (``last.pt``, ``best_model.pt``) are written atomically and hold everything needed to
+rebuild the policy and resume training: model + EMA, optimiser, scheduler, normalisers, step,
+config, RNG state and the env/dims metadata that ``load_policy`` checks against an env.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+from tqdm import tqdm
+
+from .data import ChunkDataset, Normalizer
+from .flows import ShortCut
+from .runs import save_torch
+from .unet import ShortCutVelocityUNet1D
+
+CHECKPOINT_FORMAT = "flowlib.shortcut_bc/1"
+
+
+@dataclass
+class ShortCutBCConfig:
+    """Parameters of notebook 01 (ShortCut BC). Defaults are the small CPU run."""
+
+    seed: int = 0
+    env_id: str = "PickCube-v1"
+    num_demos: int = 20
+    demo_file: str = ""                 # an existing ManiSkill .h5 (state, pd_ee_delta_pos); "" = generate
+    obs_horizon: int = 2
+    pred_horizon: int = 16
+    act_horizon: int = 8
+    down_dims: list[int] = field(default_factory=lambda: [32, 64])
+    emb_dim: int = 32
+    shortcut_max_steps: int = 8         # d_min = 1 / shortcut_max_steps
+    bootstrap_fraction: float = 0.25
+    ema_decay: float = 0.995
+    train_steps: int = 300
+    batch_size: int = 128
+    lr: float = 1e-3
+    weight_decay: float = 1e-6
+    warmup_steps: int = 50
+    ckpt_every: int = 100
+    log_every: int = 25
+    eval_every: int = 0                 # 0: evaluate only at the end
+    select_inference_steps: int = 4     # K whose success_once picks best_model.pt
+    eval_inference_steps: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    num_eval_episodes: int = 4
+    num_envs: int = 2
+    max_episode_steps: int = 100
+    backend: str = "auto"
+    num_threads: int = 1                # torch CPU threads; 1 leaves the other cores to the env workers
+    resume: bool = True
+    run_name: str = "default"
+    wandb_mode: str = "disabled"
+
+    def __post_init__(self):
+        if not 1 <= self.act_horizon <= self.pred_horizon - self.obs_horizon + 1:
+            raise ValueError(f"act_horizon={self.act_horizon} must be in [1, pred_horizon - obs_horizon + 1 = "
+                             f"{self.pred_horizon - self.obs_horizon + 1}]")
+        for k in [*self.eval_inference_steps, self.select_inference_steps]:
+            if k > self.shortcut_max_steps or self.shortcut_max_steps % k:
+                raise ValueError(f"inference steps {k} must divide shortcut_max_steps={self.shortcut_max_steps}")
+
+
+class FlowPolicy(nn.Module):
+    """ShortCut flow over action chunks + normalisers; ``act`` maps raw obs windows to raw actions."""
+
+    def __init__(self, flow: ShortCut, obs_normalizer: Normalizer, action_normalizer: Normalizer, meta: dict[str, Any]):
+        super().__init__()
+        self.flow, self.obs_normalizer, self.action_normalizer, self.meta = flow, obs_normalizer, action_normalizer, meta
+        self.obs_horizon, self.pred_horizon, self.act_horizon = meta["obs_horizon"], meta["pred_horizon"], meta["act_horizon"]
+
+    @torch.no_grad()
+    def sample_chunk(self, obs_window: torch.Tensor, num_steps: int, generator: torch.Generator | None = None,
+                     use_ema: bool = True) -> torch.Tensor:
+        """Raw ``obs_window [N, To, O]`` -> raw action chunk ``[N, H, A]`` by ``num_steps`` ODE steps."""
+        N = obs_window.shape[0]
+        noise = torch.randn(N, self.pred_horizon, self.meta["action_dim"], generator=generator).to(obs_window.device)
+        x = self.flow.sample(noise, num_steps, obs=self.obs_normalizer.normalize(obs_window), use_ema=use_ema)
+        return self.action_normalizer.unnormalize(x)
+
+    def act(self, obs_window: torch.Tensor, num_steps: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """The ``act_horizon`` actions to execute now: ``chunk[To - 1 : To - 1 + act_horizon]``, ``[N, Ta, A]``."""
+        start = self.obs_horizon - 1
+        return self.sample_chunk(obs_window, num_steps, generator)[:, start:start + self.act_horizon]
+
+
+def build_policy(meta: dict[str, Any], obs_normalizer: Normalizer | None = None,
+                 action_normalizer: Normalizer | None = None) -> FlowPolicy:
+    """A fresh policy from checkpoint metadata (dims, horizons, net and ShortCut sizes)."""
+    net = ShortCutVelocityUNet1D(meta["action_dim"], meta["obs_dim"], meta["obs_horizon"], meta["pred_horizon"],
+                                 down_dims=tuple(meta["down_dims"]), emb_dim=meta["emb_dim"])
+    flow = ShortCut(net, ema_decay=meta["ema_decay"], max_steps=meta["shortcut_max_steps"],
+                    bootstrap_fraction=meta["bootstrap_fraction"])
+    return FlowPolicy(flow, obs_normalizer or Normalizer(meta["obs_dim"]),
+                      action_normalizer or Normalizer(meta["action_dim"]), meta)
+
+
+def policy_meta(cfg: ShortCutBCConfig, dataset: ChunkDataset, control_mode: str) -> dict[str, Any]:
+    return {"env_id": cfg.env_id, "control_mode": control_mode, "obs_dim": dataset.obs_dim,
+            "action_dim": dataset.action_dim, "obs_horizon": cfg.obs_horizon, "pred_horizon": cfg.pred_horizon,
+            "act_horizon": cfg.act_horizon, "down_dims": list(cfg.down_dims), "emb_dim": cfg.emb_dim,
+            "ema_decay": cfg.ema_decay, "shortcut_max_steps": cfg.shortcut_max_steps,
+            "bootstrap_fraction": cfg.bootstrap_fraction}
+
+
+def check_compatible(meta: dict[str, Any], spec) -> None:
+    """Stop with a clear message if a checkpoint does not fit an env (``flowlib.envs.EnvSpec``)."""
+    if meta["env_id"] != spec.env_id:
+        raise ValueError(f"checkpoint was trained on {meta['env_id']}, env is {spec.env_id}: "
+                         f"make the env with env_id={meta['env_id']!r} or train a policy for {spec.env_id}")
+    for key in ("obs_dim", "action_dim"):
+        if meta[key] != getattr(spec, key):
+            raise ValueError(f"checkpoint {key}={meta[key]} but the env has {key}={getattr(spec, key)} "
+                             f"({spec.env_id}, control_mode={spec.control_mode}); use the obs/control mode it was trained with "
+                             f"({meta['control_mode']}, state obs)")
+    if meta["control_mode"] != spec.control_mode:
+        raise ValueError(f"checkpoint uses control_mode={meta['control_mode']}, env {spec.control_mode}")
+
+
+def save_checkpoint(path: Path, policy: FlowPolicy, optimizer, scheduler, step: int, cfg: ShortCutBCConfig,
+                    best: dict[str, Any]) -> Path:
+    return save_torch({
+        "format": CHECKPOINT_FORMAT, "step": step, "config": dataclasses.asdict(cfg), "meta": policy.meta,
+        "flow": policy.flow.state_dict(), "obs_normalizer": policy.obs_normalizer.state_dict(),
+        "action_normalizer": policy.action_normalizer.state_dict(),
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "best": best, "rng": torch.get_rng_state(),
+    }, path)
+
+
+def read_checkpoint(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} not found: train one with notebook 01 "
+                                "(python -m flowlib.run 01_shortcut_bc) or check the run folder")
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path} is not a flowlib ShortCut-BC checkpoint (format {CHECKPOINT_FORMAT})")
+    return ckpt
+
+
+def load_policy(path: str | Path, spec=None) -> FlowPolicy:
+    """Rebuild a policy from a checkpoint; with an env ``spec``, check they fit."""
+    ckpt = read_checkpoint(path)
+    if spec is not None:
+        check_compatible(ckpt["meta"], spec)
+    policy = build_policy(ckpt["meta"])
+    policy.flow.load_state_dict(ckpt["flow"])
+    policy.obs_normalizer.load_state_dict(ckpt["obs_normalizer"])
+    policy.action_normalizer.load_state_dict(ckpt["action_normalizer"])
+    return policy.eval()
+
+
+def cosine_with_warmup(optimizer, warmup_steps: int, total_steps: int):
+    """Linear warm-up to the base LR, then cosine decay to zero."""
+    def factor(step):
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+@torch.no_grad()
+def evaluate(policy: FlowPolicy, env, num_episodes: int, num_inference_steps: int, seed: int = 0,
+             frame_every: int = 0) -> dict[str, Any]:
+    """Roll out the deterministic ODE policy for ``num_episodes`` episodes (batches of ``env.num_envs``).
+
+    ManiSkill's conventions: termination ignored, each episode runs ``env.max_episode_steps``
+    steps; ``success_once`` = success at any step, ``success_at_end`` = at the last step.  Episode
+    ``i`` uses env seed ``seed + i``, and the policy's noise is seeded from ``seed`` too.
+    """
+    policy.eval()
+    gen = torch.Generator().manual_seed(seed)
+    once, at_end, returns, frames = [], [], [], []
+    t0, steps, policy_time = time.time(), 0, 0.0
+    for first in range(0, num_episodes, env.num_envs):
+        obs = env.reset(seed=seed + first)
+        history = deque([obs] * policy.obs_horizon, maxlen=policy.obs_horizon)
+        ep_once = torch.zeros(env.num_envs, dtype=torch.bool)
+        ep_return = torch.zeros(env.num_envs)
+        t = 0
+        while t < env.max_episode_steps:
+            tp = time.time()
+            actions = policy.act(torch.stack(list(history), dim=1), num_inference_steps, gen)  # [N, Ta, A]
+            policy_time += time.time() - tp
+            for a in actions.unbind(1):
+                obs, reward, _, truncated, success = env.step(a)
+                history.append(obs)
+                ep_once |= success.cpu()
+                ep_return += reward.cpu()
+                t += 1
+                steps += env.num_envs
+                if frame_every and first == 0 and t % frame_every == 0:
+                    frames.append(env.render()[0])
+                if t >= env.max_episode_steps:
+                    break
+        n = min(env.num_envs, num_episodes - first)
+        once += ep_once[:n].tolist()
+        at_end += success.cpu()[:n].tolist()
+        returns += ep_return[:n].tolist()
+    wall = time.time() - t0
+    return {"success_once": float(np.mean(once)), "success_at_end": float(np.mean(at_end)),
+            "return": float(np.mean(returns)), "episodes": len(once), "per_episode_success_once": once,
+            "env_steps_per_s": steps / wall, "policy_time_fraction": policy_time / wall, "frames": frames}
+
+
+def train(cfg: ShortCutBCConfig, dataset: ChunkDataset, run_path: Path, tracker=None, env=None,
+          control_mode: str = "pd_ee_delta_pos") -> tuple[FlowPolicy, dict[str, Any]]:
+    """ShortCut BC with EMA, AdamW, warm-up + cosine LR; checkpoints ``last.pt`` / ``best_model.pt``.
+
+    With ``cfg.resume`` and an existing ``<run>/last.pt`` of the same config, training continues
+    from its step (a finished run just reloads).  With ``env`` and ``cfg.eval_every``, the EMA policy
+    is evaluated periodically; ``best_model.pt`` keeps the best ``success_once`` at
+    ``select_inference_steps`` (the last checkpoint if there is no periodic evaluation).
+    """
+    run_path = Path(run_path)
+    torch.manual_seed(cfg.seed)
+    meta = policy_meta(cfg, dataset, control_mode)
+    policy = build_policy(meta, dataset.obs_normalizer, dataset.action_normalizer)
+    optimizer = torch.optim.AdamW(policy.flow.net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = cosine_with_warmup(optimizer, cfg.warmup_steps, cfg.train_steps)
+    step, best = 0, {"success_once": -1.0, "step": 0}
+    last = run_path / "last.pt"
+    if cfg.resume and last.exists():
+        ckpt = read_checkpoint(last)
+        if ckpt["meta"] != meta:
+            raise ValueError(f"{last} belongs to a run with other settings ({ckpt['meta']}); "
+                             "use another run_name or set resume=False to start over")
+        policy.flow.load_state_dict(ckpt["flow"])
+        policy.obs_normalizer.load_state_dict(ckpt["obs_normalizer"])
+        policy.action_normalizer.load_state_dict(ckpt["action_normalizer"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        torch.set_rng_state(ckpt["rng"])
+        step, best = ckpt["step"], ckpt["best"]
+        print(f"resumed from {last} at step {step}")
+    obs_all, act_all = dataset.tensors()  # [N, To, O], [N, H, A] (normalised)
+    policy.train()
+    bar = tqdm(total=cfg.train_steps, initial=step, desc="ShortCut BC", mininterval=10)
+    while step < cfg.train_steps:
+        idx = torch.randint(0, len(obs_all), (cfg.batch_size,))
+        loss, info = policy.flow.loss(act_all[idx], obs_all[idx])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = nn.utils.clip_grad_norm_(policy.flow.net.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        policy.flow.update_ema()
+        step += 1
+        bar.update()
+        if tracker is not None and (step % cfg.log_every == 0 or step == cfg.train_steps):
+            tracker.log({**info, "grad_norm": grad_norm.item(), "lr": scheduler.get_last_lr()[0]}, step)
+        if env is not None and cfg.eval_every and step % cfg.eval_every == 0:
+            result = evaluate(policy, env, cfg.num_eval_episodes, cfg.select_inference_steps, seed=10_000)
+            policy.train()
+            if tracker is not None:
+                tracker.log({"eval/success_once": result["success_once"], "eval/success_at_end": result["success_at_end"]}, step)
+            if result["success_once"] > best["success_once"]:
+                best = {"success_once": result["success_once"], "step": step}
+                save_checkpoint(run_path / "best_model.pt", policy, optimizer, scheduler, step, cfg, best)
+        if step % cfg.ckpt_every == 0 or step == cfg.train_steps:
+            save_checkpoint(last, policy, optimizer, scheduler, step, cfg, best)
+    bar.close()
+    if not (env is not None and cfg.eval_every) and not (run_path / "best_model.pt").exists():
+        save_checkpoint(run_path / "best_model.pt", policy, optimizer, scheduler, step, cfg, best)
+    policy.eval()
+    return policy, best

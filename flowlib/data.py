@@ -1,0 +1,236 @@
+"""Demonstrations: generate with ManiSkill's motion planner, replay to state + ``pd_ee_delta_pos``,
+load as episodes, and cut into (observation window, action chunk) training pairs.
+
+Generation (``generate_demos``) runs ManiSkill's own tools, unchanged, in subprocesses:
+
+1. ``mani_skill.examples.motionplanning.panda.run``: motion-planning solutions (``mplib==0.1.1``,
+   ``numpy<2``) recorded as joint-position actions;
+2. ``mani_skill.trajectory.replay_trajectory``: replayed into state observations and
+   ``pd_ee_delta_pos`` actions, with ``normalized_dense`` rewards recorded.
+
+The result is cached as ``outputs/data/<env>/demos_<n>.state.pd_ee_delta_pos.physx_cpu.h5`` (+ .json).
+Any ManiSkill .h5 with state observations in ``pd_ee_delta_pos`` loads the same way.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from .envs import DEFAULT_CONTROL_MODE, check_env_id
+from .runs import outputs_root
+
+MOTION_PLANNING_ENVS = ("PickCube-v1", "PushCube-v1", "StackCube-v1", "PegInsertionSide-v1", "PlugCharger-v1",
+                        "PullCube-v1", "LiftPegUpright-v1", "PullCubeTool-v1", "DrawTriangle-v1", "DrawSVG-v1")
+
+
+@dataclass
+class Episode:
+    """One demonstration. ``T`` steps: ``obs`` has ``T + 1`` rows (the last is after the last action)."""
+
+    obs: np.ndarray         # [T+1, O]
+    actions: np.ndarray     # [T, A]
+    rewards: np.ndarray     # [T]  dense (normalized_dense) reward
+    success: np.ndarray     # [T]  success flag after each step; the sparse reward is success.astype(float)
+    terminated: np.ndarray  # [T]
+    truncated: np.ndarray   # [T]  (time limit; not termination)
+
+    def __len__(self) -> int:
+        return len(self.actions)
+
+    @property
+    def sparse_rewards(self) -> np.ndarray:
+        return self.success.astype(np.float32)
+
+
+def demo_dir(env_id: str) -> Path:
+    return outputs_root() / "data" / env_id
+
+
+def demo_path(env_id: str, num_demos: int) -> Path:
+    return demo_dir(env_id) / f"demos_{num_demos}.state.{DEFAULT_CONTROL_MODE}.physx_cpu.h5"
+
+
+def generate_demos(env_id: str = "PickCube-v1", num_demos: int = 100, num_procs: int = 1, force: bool = False) -> Path:
+    """Motion-planned demos replayed to state obs + ``pd_ee_delta_pos``; cached, so a second call is free."""
+    check_env_id(env_id)
+    if env_id not in MOTION_PLANNING_ENVS:
+        raise ValueError(f"ManiSkill has no motion-planning solution for {env_id}; ones that do: {MOTION_PLANNING_ENVS}. "
+                         "Pass your own demos with demo_file=... instead.")
+    out = demo_path(env_id, num_demos)
+    if out.exists() and not force:
+        return out
+    raw_dir = demo_dir(env_id) / "raw"
+    if raw_dir.exists():
+        shutil.rmtree(raw_dir)
+    name = f"demos_{num_demos}"
+    _run([sys.executable, "-m", "mani_skill.examples.motionplanning.panda.run", "-e", env_id, "-n", str(num_demos),
+          "--only-count-success", "-b", "cpu", "--record-dir", str(raw_dir), "--traj-name", name,
+          "--num-procs", str(num_procs)], "motion planning")
+    raw = raw_dir / env_id / "motionplanning" / f"{name}.h5"
+    _run([sys.executable, "-m", "mani_skill.trajectory.replay_trajectory", "--traj-path", str(raw),
+          "--use-first-env-state", "-c", DEFAULT_CONTROL_MODE, "-o", "state", "--save-traj", "-b", "physx_cpu",
+          "--record-rewards", "--reward-mode", "normalized_dense", "--num-envs", str(num_procs)], "replay")
+    replayed = raw.with_name(f"{name}.state.{DEFAULT_CONTROL_MODE}.physx_cpu.h5")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(replayed.with_suffix(".json"), out.with_suffix(".json"))
+    shutil.move(replayed, out)  # the .h5 last: its presence marks a finished cache
+    shutil.rmtree(raw_dir)
+    return out
+
+
+def _run(cmd: list[str], what: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed ({' '.join(cmd[:4])} ...):\n{proc.stderr[-3000:]}")
+
+
+def load_demos(path: str | Path, control_mode: str = DEFAULT_CONTROL_MODE, max_episodes: int | None = None) -> list[Episode]:
+    """Episodes of a ManiSkill trajectory file (``.h5`` with its ``.json``); checks obs and control mode."""
+    import h5py
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"demo file {path} not found: generate demos with flowlib.data.generate_demos(env_id, n) "
+                                "or point demo_file at an existing ManiSkill .h5")
+    meta_path = path.with_suffix(".json")
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        kwargs = meta.get("env_info", {}).get("env_kwargs", {})
+        found = kwargs.get("control_mode")
+        if found is not None and found != control_mode:
+            raise ValueError(f"{path.name} was recorded with control_mode={found!r}, this pipeline needs {control_mode!r}. "
+                             f"Convert it: python -m mani_skill.trajectory.replay_trajectory --traj-path {path} "
+                             f"-c {control_mode} -o state --save-traj --use-first-env-state -b physx_cpu --record-rewards")
+        if kwargs.get("obs_mode") not in (None, "state"):
+            raise ValueError(f"{path.name} has obs_mode={kwargs.get('obs_mode')!r}; replay it with -o state")
+    episodes = []
+    with h5py.File(path, "r") as f:
+        keys = sorted((k for k in f.keys() if k.startswith("traj_")), key=lambda k: int(k.split("_")[1]))
+        for key in keys[:max_episodes]:
+            g = f[key]
+            if "rewards" not in g:
+                raise ValueError(f"{path.name}/{key} has no rewards: replay with --record-rewards "
+                                 "(later stages need dense and sparse rewards)")
+            if not isinstance(g["obs"], h5py.Dataset):
+                raise ValueError(f"{path.name}/{key}: obs is not a flat state vector; replay with -o state")
+            episodes.append(Episode(
+                obs=np.asarray(g["obs"], dtype=np.float32), actions=np.asarray(g["actions"], dtype=np.float32),
+                rewards=np.asarray(g["rewards"], dtype=np.float32), success=np.asarray(g["success"], dtype=bool),
+                terminated=np.asarray(g["terminated"], dtype=bool), truncated=np.asarray(g["truncated"], dtype=bool)))
+    if not episodes:
+        raise ValueError(f"{path} holds no trajectories")
+    return episodes
+
+
+class Normalizer(torch.nn.Module):
+    """Per-dimension affine normalisation, stored with the checkpoint.
+
+    ``mode="minmax"`` maps ``[min, max]`` to ``[-1, 1]``; ``mode="meanstd"`` to zero mean and unit
+    standard deviation.  Constant dimensions get a unit scale (no division by zero).
+    """
+
+    MODES = ("minmax", "meanstd")
+
+    def __init__(self, dim: int, mode: str = "meanstd"):
+        super().__init__()
+        if mode not in self.MODES:
+            raise ValueError(f"normalizer mode must be one of {self.MODES}, got {mode!r}")
+        self.mode = mode
+        self.register_buffer("shift", torch.zeros(dim))
+        self.register_buffer("scale", torch.ones(dim))
+
+    @classmethod
+    def fit(cls, x: np.ndarray | torch.Tensor, mode: str = "meanstd", eps: float = 1e-4) -> "Normalizer":
+        x = torch.as_tensor(x, dtype=torch.float32).reshape(-1, x.shape[-1])
+        norm = cls(x.shape[-1], mode)
+        if mode == "minmax":
+            lo, hi = x.min(0).values, x.max(0).values
+            norm.shift.copy_((hi + lo) / 2)
+            norm.scale.copy_(torch.where(hi - lo > eps, (hi - lo) / 2, torch.ones_like(lo)))
+        else:
+            std = x.std(0)
+            norm.shift.copy_(x.mean(0))
+            norm.scale.copy_(torch.where(std > eps, std, torch.ones_like(std)))
+        return norm
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.shift) / self.scale
+
+    def unnormalize(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale + self.shift
+
+    def get_extra_state(self):
+        return {"mode": self.mode}
+
+    def set_extra_state(self, state):
+        self.mode = state["mode"]
+
+
+class ChunkDataset(Dataset):
+    """(observation window, action chunk) pairs cut from episodes, as in Diffusion Policy.
+
+    Sample ``i`` starts at ``s``: ``obs[s : s + obs_horizon]`` (``[To, O]``) and
+    ``actions[s : s + pred_horizon]`` (``[H, A]``), for ``s`` from ``-(obs_horizon - 1)`` to
+    ``T - obs_horizon`` (every step at which the policy acts, the last included).  Out-of-episode
+    rows are padded: before the start with the first observation / action; after the end with a
+    zero arm action and the last gripper command (``pd_ee_delta_pos`` is a delta: zero = hold
+    still).  The policy executes ``chunk[obs_horizon - 1 : obs_horizon - 1 + act_horizon]``.
+    """
+
+    def __init__(self, episodes: list[Episode], obs_horizon: int = 2, pred_horizon: int = 16,
+                 obs_normalizer: Normalizer | None = None, action_normalizer: Normalizer | None = None,
+                 delta_actions: bool = True):
+        if pred_horizon < obs_horizon:
+            raise ValueError(f"pred_horizon ({pred_horizon}) must be >= obs_horizon ({obs_horizon})")
+        self.obs_horizon, self.pred_horizon = obs_horizon, pred_horizon
+        self.episodes = episodes
+        self.delta_actions = delta_actions
+        self.index = [(e, s) for e, ep in enumerate(episodes) for s in range(-(obs_horizon - 1), len(ep) - obs_horizon + 1)]
+        self.obs_normalizer = obs_normalizer or Normalizer.fit(np.concatenate([ep.obs for ep in episodes]), "meanstd")
+        self.action_normalizer = action_normalizer or Normalizer.fit(np.concatenate([ep.actions for ep in episodes]), "minmax")
+
+    @property
+    def obs_dim(self) -> int:
+        return self.episodes[0].obs.shape[-1]
+
+    @property
+    def action_dim(self) -> int:
+        return self.episodes[0].actions.shape[-1]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def window(self, e: int, s: int) -> tuple[np.ndarray, np.ndarray]:
+        """Raw (un-normalised) ``obs [To, O]`` and ``actions [H, A]`` starting at step ``s`` of episode ``e``."""
+        ep = self.episodes[e]
+        T = len(ep)
+        obs_idx = np.clip(np.arange(s, s + self.obs_horizon), 0, T)
+        obs = ep.obs[obs_idx]
+        act_idx = np.arange(s, s + self.pred_horizon)
+        actions = ep.actions[np.clip(act_idx, 0, T - 1)].copy()
+        after = act_idx >= T
+        if after.any() and self.delta_actions:
+            actions[after, :-1] = 0.0  # hold still; keep the last gripper command
+        return obs, actions
+
+    def __getitem__(self, i: int):
+        obs, actions = self.window(*self.index[i])
+        obs = self.obs_normalizer.normalize(torch.from_numpy(obs))
+        actions = self.action_normalizer.normalize(torch.from_numpy(actions))
+        return obs, actions  # [To, O], [H, A]
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every sample at once, normalised: ``obs [N, To, O]``, ``actions [N, H, A]`` (for fast batching)."""
+        windows = [self.window(e, s) for e, s in self.index]
+        obs = torch.from_numpy(np.stack([w[0] for w in windows]))
+        actions = torch.from_numpy(np.stack([w[1] for w in windows]))
+        with torch.no_grad():
+            return self.obs_normalizer.normalize(obs), self.action_normalizer.normalize(actions)

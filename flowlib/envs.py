@@ -1,0 +1,155 @@
+"""ManiSkill3 environments behind one batched torch interface, on a GPU or on CPU cores.
+
+``make_env(env_id, num_envs)`` picks the backend:
+
+* CUDA present: ``physx_cuda`` with ``num_envs`` parallel envs in one process (ManiSkillVectorEnv);
+* otherwise:    ``physx_cpu``, one env per process (SAPIEN's CPU backend allows one per process),
+  vectorised with gymnasium's ``AsyncVectorEnv`` so ``num_envs`` envs use the cores.
+
+Either way ``reset`` / ``step`` take and return batched torch tensors (``[N, ...]``).  Episodes
+ignore termination (as in ManiSkill's evaluation) and end at ``max_episode_steps`` by truncation;
+there is no auto-reset: call ``reset`` to start the next batch of episodes.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+DEFAULT_CONTROL_MODE = "pd_ee_delta_pos"
+# ManiSkill's imitation baselines evaluate PickCube with 100 steps (the env registers 50).
+EVAL_EPISODE_STEPS = {"PickCube-v1": 100, "PushCube-v1": 100, "StackCube-v1": 200}
+
+
+def known_env_ids() -> list[str]:
+    import mani_skill.envs  # noqa: F401  (registers the envs)
+    from mani_skill.utils.registration import REGISTERED_ENVS
+
+    return sorted(REGISTERED_ENVS)
+
+
+def check_env_id(env_id: str) -> None:
+    ids = known_env_ids()
+    if env_id not in ids:
+        import difflib
+
+        close = difflib.get_close_matches(env_id, ids, n=3)
+        raise ValueError(f"unknown ManiSkill env id {env_id!r}" + (f"; did you mean {close}?" if close else "")
+                         + " (e.g. PickCube-v1, PushCube-v1, StackCube-v1)")
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    if backend == "auto":
+        return "physx_cuda" if torch.cuda.is_available() else "physx_cpu"
+    if backend not in ("physx_cuda", "physx_cpu"):
+        raise ValueError(f"backend must be 'auto', 'physx_cuda' or 'physx_cpu', got {backend!r}")
+    if backend == "physx_cuda" and not torch.cuda.is_available():
+        raise ValueError("backend='physx_cuda' needs a CUDA GPU; use backend='auto' or 'physx_cpu'")
+    return backend
+
+
+@dataclass
+class EnvSpec:
+    env_id: str
+    obs_dim: int
+    action_dim: int
+    control_mode: str
+    max_episode_steps: int
+
+
+def _make_cpu_env(env_id, obs_mode, control_mode, reward_mode, max_episode_steps, render):
+    """One single-process CPU env (numpy in/out), termination ignored: built inside the worker."""
+    import gymnasium as gym
+    import mani_skill.envs  # noqa: F401
+    from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
+
+    torch.set_num_threads(1)  # a worker only steps physics; idle torch threads would compete for cores
+    env = gym.make(env_id, obs_mode=obs_mode, control_mode=control_mode, reward_mode=reward_mode,
+                   sim_backend="physx_cpu", render_mode="rgb_array" if render else None,
+                   max_episode_steps=max_episode_steps)
+    return CPUGymWrapper(env, ignore_terminations=True)
+
+
+class ManiSkillVecEnv:
+    """``num_envs`` ManiSkill envs with a batched torch interface (see module docstring)."""
+
+    def __init__(self, env_id: str = "PickCube-v1", num_envs: int = 1, obs_mode: str = "state",
+                 control_mode: str = DEFAULT_CONTROL_MODE, reward_mode: str = "normalized_dense",
+                 max_episode_steps: int | None = None, backend: str = "auto", render: bool = False):
+        check_env_id(env_id)
+        _check_vulkan()
+        self.backend = resolve_backend(backend)
+        self.num_envs = num_envs
+        self.max_episode_steps = max_episode_steps or EVAL_EPISODE_STEPS.get(env_id, 100)
+        self.device = torch.device("cuda" if self.backend == "physx_cuda" else "cpu")
+        if self.backend == "physx_cuda":
+            import gymnasium as gym
+            import mani_skill.envs  # noqa: F401
+            from mani_skill.vector.wrappers.gymnasium import ManiSkillVectorEnv
+
+            env = gym.make(env_id, num_envs=num_envs, obs_mode=obs_mode, control_mode=control_mode,
+                           reward_mode=reward_mode, sim_backend="physx_cuda",
+                           render_mode="rgb_array" if render else None, max_episode_steps=self.max_episode_steps)
+            self.env = ManiSkillVectorEnv(env, num_envs, auto_reset=False, ignore_terminations=True)
+        else:
+            import gymnasium as gym
+            from gymnasium.vector import AutoresetMode
+
+            make = functools.partial(_make_cpu_env, env_id, obs_mode, control_mode, reward_mode,
+                                     self.max_episode_steps, render)
+            cls = gym.vector.SyncVectorEnv if num_envs == 1 else gym.vector.AsyncVectorEnv
+            # spawn, not fork: forking a process that already runs torch threads can deadlock
+            kwargs = {} if num_envs == 1 else {"daemon": True, "context": "spawn"}
+            self.env = cls([make] * num_envs, autoreset_mode=AutoresetMode.DISABLED, **kwargs)
+        self.spec = EnvSpec(env_id, int(np.prod(self.env.single_observation_space.shape)),
+                            int(np.prod(self.env.single_action_space.shape)), control_mode, self.max_episode_steps)
+
+    def _tensor(self, x, dtype=torch.float32) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(x) if not torch.is_tensor(x) else x, dtype=dtype).to(self.device)
+
+    def reset(self, seed: int | None = None) -> torch.Tensor:
+        """Start ``num_envs`` new episodes; env ``i`` is seeded with ``seed + i``. Returns obs ``[N, O]``."""
+        obs, _ = self.env.reset(seed=seed)
+        return self._tensor(obs).reshape(self.num_envs, -1)
+
+    def step(self, action: torch.Tensor):
+        """``action [N, A]`` -> ``obs [N, O], reward [N], terminated [N], truncated [N], success [N]``."""
+        if action.shape != (self.num_envs, self.spec.action_dim):
+            raise ValueError(f"action must be [{self.num_envs}, {self.spec.action_dim}], got {tuple(action.shape)}")
+        act = action if self.backend == "physx_cuda" else action.detach().cpu().numpy()
+        obs, reward, terminated, truncated, info = self.env.step(act)
+        success = info.get("success", np.zeros(self.num_envs, dtype=bool))
+        return (self._tensor(obs).reshape(self.num_envs, -1), self._tensor(reward), self._tensor(terminated, torch.bool),
+                self._tensor(truncated, torch.bool), self._tensor(success, torch.bool))
+
+    def render(self) -> np.ndarray:
+        """RGB frames ``[N, H, W, 3]`` (uint8); needs ``render=True``."""
+        frames = self.env.render()
+        if torch.is_tensor(frames):
+            return frames.cpu().numpy()
+        return np.stack(list(frames))
+
+    def close(self) -> None:
+        self.env.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def make_env(env_id: str = "PickCube-v1", num_envs: int = 1, **kwargs) -> ManiSkillVecEnv:
+    return ManiSkillVecEnv(env_id, num_envs, **kwargs)
+
+
+def _check_vulkan() -> None:
+    if torch.cuda.is_available():
+        return
+    from . import sysdeps
+
+    if sysdeps.mesa_major() is not None and not sysdeps.vulkan_ready():
+        raise RuntimeError(f"ManiSkill on CPU needs Vulkan from Mesa >= {sysdeps.MESA_MIN_MAJOR} (found Mesa "
+                           f"{sysdeps.mesa_major()}); run `make system-deps` (as root) to install it")

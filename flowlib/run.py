@@ -1,0 +1,94 @@
+"""Run a notebook headlessly with papermill over a parameter file.
+
+    python -m flowlib.run 00_flows_2d                                  # notebook defaults
+    python -m flowlib.run 00_flows_2d --params params/00_flows_2d/full.yaml
+    python -m flowlib.run 00_flows_2d -p train_steps=500 -p targets='[two_moons]' --run-name quick
+
+The parameters (file, then ``-p`` overrides, values parsed as YAML) are validated against the
+notebook's config dataclass *before* the kernel starts; the executed notebook is written to
+``outputs/<notebook>/<run_name>/<notebook>.ipynb`` next to the run's metrics and figures.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+from .config import ConfigError, load_yaml, parse_yaml, validate
+from .runs import REPO_ROOT, run_dir
+
+NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
+
+# notebook -> its parameters dataclass ("module:Class")
+NOTEBOOK_CONFIGS = {
+    "00_flows_2d": "flowlib.toy2d:Flows2DConfig",
+    "01_shortcut_bc": "flowlib.bc:ShortCutBCConfig",
+}
+
+
+def config_class(notebook: str):
+    if notebook not in NOTEBOOK_CONFIGS:
+        raise ConfigError(f"unknown notebook {notebook!r}; choose one of {sorted(NOTEBOOK_CONFIGS)}")
+    module, name = NOTEBOOK_CONFIGS[notebook].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    out = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"override {pair!r} must look like key=value")
+        key, value = pair.split("=", 1)
+        out[key.strip()] = parse_yaml(value)
+    return out
+
+
+def resolve_parameters(notebook: str, params_file: str | None = None, overrides: dict[str, Any] | None = None,
+                       run_name: str | None = None) -> dict[str, Any]:
+    """The parameters papermill will inject, validated against the notebook's config class."""
+    values: dict[str, Any] = dict(load_yaml(params_file)) if params_file else {}
+    values.update(overrides or {})
+    if run_name is not None:
+        values["run_name"] = run_name
+    elif params_file and "run_name" not in values:
+        values["run_name"] = Path(params_file).stem
+    validate(config_class(notebook), values, source=params_file or "overrides")
+    return values
+
+
+def execute(notebook: str, parameters: dict[str, Any], kernel: str = "python3", log_output: bool = False) -> Path:
+    """Execute ``notebooks/<notebook>.ipynb`` with ``parameters``; return the executed copy's path."""
+    import papermill as pm
+
+    cfg = validate(config_class(notebook), parameters)
+    out_dir = run_dir(notebook, cfg.run_name)
+    out_path = out_dir / f"{notebook}.ipynb"
+    pm.execute_notebook(str(NOTEBOOKS_DIR / f"{notebook}.ipynb"), str(out_path), parameters=parameters,
+                        kernel_name=kernel, cwd=str(NOTEBOOKS_DIR), log_output=log_output, progress_bar=False)
+    return out_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flowlib.run", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("notebook", help=f"one of {sorted(NOTEBOOK_CONFIGS)}")
+    ap.add_argument("--params", help="YAML parameter file (e.g. params/00_flows_2d/full.yaml)")
+    ap.add_argument("-p", "--set", action="append", default=[], metavar="KEY=VALUE", help="override one parameter")
+    ap.add_argument("--run-name", help="folder under outputs/<notebook>/ (default: the params file's stem, else 'default')")
+    ap.add_argument("--kernel", default="python3")
+    ap.add_argument("--log-output", action="store_true", help="stream the notebook's output here")
+    args = ap.parse_args(argv)
+    try:
+        params = resolve_parameters(args.notebook, args.params, parse_overrides(args.set), args.run_name)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    out = execute(args.notebook, params, kernel=args.kernel, log_output=args.log_output)
+    print(f"{args.notebook}: done -> {out.parent}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

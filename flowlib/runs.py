@@ -1,0 +1,89 @@
+"""Run folders and atomic writes: where a run's artefacts go, written so nothing is ever half-saved.
+
+Layout: ``outputs/<notebook>/<run_name>/`` holds ``params.yaml`` (resolved parameters),
+``metrics.jsonl`` / ``metrics.csv`` / ``summary.json``, ``*.png`` figures, checkpoints and, when
+run through ``python -m flowlib.run``, the executed notebook.  ``FLOWLIB_OUTPUTS`` moves the root.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def outputs_root() -> Path:
+    return Path(os.environ.get("FLOWLIB_OUTPUTS", REPO_ROOT / "outputs"))
+
+
+def run_dir(notebook: str, run_name: str) -> Path:
+    """``outputs/<notebook>/<run_name>/``, created if missing."""
+    if not run_name or "/" in run_name or run_name.startswith("."):
+        raise ValueError(f"run_name must be a plain folder name, got {run_name!r}")
+    path = outputs_root() / notebook / run_name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _atomic_write(path: Path, write) -> Path:
+    """Write to a temporary file in the same folder, then rename over ``path`` (atomic on POSIX)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def save_text(path: Path, text: str) -> Path:
+    return _atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def save_json(path: Path, obj: Any) -> Path:
+    return save_text(path, json.dumps(obj, indent=2, default=_jsonable) + "\n")
+
+
+def save_params(run_path: Path, cfg) -> Path:
+    """Write the resolved parameters of a run as ``params.yaml``."""
+    values = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
+    return save_text(Path(run_path) / "params.yaml", yaml.safe_dump(values, sort_keys=False))
+
+
+def save_torch(obj: Any, path: Path) -> Path:
+    """``torch.save`` atomically: a crash mid-write leaves the previous file intact."""
+    import torch
+
+    return _atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def save_figure(fig, run_path: Path, name: str, dpi: int = 110) -> Path:
+    """Save a matplotlib figure as ``<run>/<name>.png``."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+    return _atomic_write(Path(run_path) / f"{name}.png", lambda f: f.write(buf.getvalue()))
+
+
+def _jsonable(x):
+    if hasattr(x, "item"):
+        return x.item()
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if isinstance(x, Path):
+        return str(x)
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")

@@ -1,0 +1,124 @@
+"""2D target distributions for the flow demos (each returns ``[N, 2]``, roughly unit scale)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from .flows import METHODS, FlowModel, MeanFlow, MeanFlowTimes, ReFlow, ShortCut
+from .nets import ConditionalMLP
+
+
+def two_moons(n: int, generator=None, noise: float = 0.05) -> torch.Tensor:
+    """Two interleaved half circles (as in scikit-learn's make_moons), centred and scaled."""
+    n_top = n // 2
+    angle = math.pi * torch.rand(n, generator=generator)
+    top = torch.stack([torch.cos(angle[:n_top]), torch.sin(angle[:n_top])], dim=1)
+    bottom = torch.stack([1 - torch.cos(angle[n_top:]), 0.5 - torch.sin(angle[n_top:])], dim=1)
+    x = torch.cat([top, bottom]) + noise * torch.randn(n, 2, generator=generator)
+    x = (x - torch.tensor([0.5, 0.25])) * 1.6
+    return x[torch.randperm(n, generator=generator)]
+
+
+def checkerboard(n: int, generator=None, squares: int = 4) -> torch.Tensor:
+    """Uniform on the black squares of a ``squares x squares`` board on ``[-2, 2]^2``."""
+    width = 4.0 / squares
+    cell = torch.randint(0, squares * squares // 2, (n,), generator=generator)
+    row = cell // (squares // 2)
+    col = 2 * (cell % (squares // 2)) + (row % 2)
+    offset = torch.rand(n, 2, generator=generator) * width
+    return torch.stack([col * width - 2.0, row * width - 2.0], dim=1) + offset
+
+
+def eight_gaussians(n: int, generator=None, radius: float = 2.0, std: float = 0.15) -> torch.Tensor:
+    """Eight isotropic Gaussians evenly spaced on a circle."""
+    k = torch.randint(0, 8, (n,), generator=generator).float()
+    centres = radius * torch.stack([torch.cos(k * math.pi / 4), torch.sin(k * math.pi / 4)], dim=1)
+    return centres + std * torch.randn(n, 2, generator=generator)
+
+
+TARGETS = {"two_moons": two_moons, "checkerboard": checkerboard, "eight_gaussians": eight_gaussians}
+
+
+def sample_target(name: str, n: int, seed: int | None = None) -> torch.Tensor:
+    """``n`` samples of the named 2D target; the same ``seed`` gives the same samples."""
+    if name not in TARGETS:
+        raise ValueError(f"unknown 2D target {name!r}; choose one of {sorted(TARGETS)}")
+    g = None if seed is None else torch.Generator().manual_seed(seed)
+    return TARGETS[name](n, generator=g)
+
+
+@dataclass
+class Flows2DConfig:
+    """Parameters of notebook 00 (2D flows). Defaults are the small CPU run."""
+
+    seed: int = 0
+    targets: list[str] = field(default_factory=lambda: ["two_moons", "checkerboard"])
+    methods: list[str] = field(default_factory=lambda: ["reflow", "meanflow", "shortcut"])
+    train_steps: int = 3000
+    batch_size: int = 256
+    lr: float = 3e-3
+    hidden: int = 128
+    depth: int = 3
+    emb_scale: float = 10.0                 # time-embedding scale (1000 makes MeanFlow's du/dt stiff)
+    ema_decay: float = 0.99                 # also ShortCut's teacher: slower EMAs starve the doubling chain
+    meanflow_share_distinct: float = 0.25   # share of (t, s) pairs with s != t
+    meanflow_adaptive_p: float = 0.5        # adaptive loss weight 1 / (||err||^2 + eps)^p
+    shortcut_bootstrap_fraction: float = 0.25
+    shortcut_max_steps: int = 128
+    eval_steps: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 128])
+    eval_samples: int = 4000
+    run_name: str = "default"
+    wandb_mode: str = "disabled"
+
+    def __post_init__(self):
+        for name in self.targets:
+            if name not in TARGETS:
+                raise ValueError(f"unknown target {name!r}; choose from {sorted(TARGETS)}")
+        for name in self.methods:
+            if name not in METHODS:
+                raise ValueError(f"unknown method {name!r}; choose from {sorted(METHODS)}")
+
+
+def build_model(method: str, cfg: Flows2DConfig) -> FlowModel:
+    """A ReFlow / MeanFlow / ShortCut model on a ``ConditionalMLP`` sized by ``cfg``."""
+    net = ConditionalMLP(dim=2, hidden=cfg.hidden, depth=cfg.depth, emb_scale=cfg.emb_scale)
+    if method == "reflow":
+        return ReFlow(net, ema_decay=cfg.ema_decay)
+    if method == "meanflow":
+        return MeanFlow(net, ema_decay=cfg.ema_decay, adaptive_p=cfg.meanflow_adaptive_p,
+                        times=MeanFlowTimes(share_distinct=cfg.meanflow_share_distinct))
+    if method == "shortcut":
+        return ShortCut(net, ema_decay=cfg.ema_decay, max_steps=cfg.shortcut_max_steps,
+                        bootstrap_fraction=cfg.shortcut_bootstrap_fraction)
+    raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
+
+
+def train_2d(model: FlowModel, target: str, cfg: Flows2DConfig, tracker=None, desc: str = "",
+             progress: tqdm | None = None) -> list[float]:
+    """Fit ``model`` to fresh samples of ``target`` each step (AdamW, cosine LR); returns the losses.
+
+    Progress goes to ``progress`` (a shared tqdm bar) if given, else to a bar of its own.
+    """
+    torch.manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(model.net.parameters(), lr=cfg.lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.train_steps)
+    losses = []
+    bar = progress or tqdm(total=cfg.train_steps, desc=desc or target, mininterval=5)
+    for step in range(cfg.train_steps):
+        x1 = TARGETS[target](cfg.batch_size)
+        loss, info = model.loss(x1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        model.update_ema()
+        losses.append(info["loss"])
+        bar.update()
+        if tracker is not None and step % 100 == 0:
+            tracker.log({f"{desc}/{k}": v for k, v in info.items()}, step)
+    if progress is None:
+        bar.close()
+    return losses

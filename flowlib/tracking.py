@@ -1,0 +1,77 @@
+"""Metric tracking: always to files in the run folder, optionally to Weights & Biases.
+
+W&B is off by default (``wandb_mode="disabled"``).  ``"offline"`` writes a W&B run under
+``<run>/wandb`` that ``wandb sync`` can upload later; it needs no account and no network.
+``"online"`` is an explicit opt-in.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from .runs import save_json
+
+WANDB_MODES = ("disabled", "offline", "online")
+
+
+class Tracker:
+    """``log(metrics, step)`` appends to ``metrics.jsonl`` (and W&B); ``finish()`` writes ``metrics.csv``.
+
+    With ``resume=True`` an existing ``metrics.jsonl`` is kept and extended (a resumed run).
+    """
+
+    def __init__(self, run_path: Path, config: dict[str, Any] | None = None, wandb_mode: str = "disabled",
+                 project: str = "flowlib", name: str | None = None, resume: bool = False):
+        if wandb_mode not in WANDB_MODES:
+            raise ValueError(f"wandb_mode must be one of {WANDB_MODES}, got {wandb_mode!r}")
+        self.run_path = Path(run_path)
+        self.run_path.mkdir(parents=True, exist_ok=True)
+        self.jsonl = self.run_path / "metrics.jsonl"
+        self.rows: list[dict[str, Any]] = []
+        if resume and self.jsonl.exists():  # a resumed run keeps its history
+            self.rows = [json.loads(line) for line in self.jsonl.read_text().splitlines() if line.strip()]
+        else:
+            self.jsonl.write_text("")
+        self.wandb_run = None
+        self._t0 = time.time()
+        if wandb_mode != "disabled":
+            try:
+                import wandb
+            except ImportError as err:
+                raise ImportError("wandb_mode is not 'disabled' but wandb is not installed: "
+                                  "`pip install wandb`, or set wandb_mode='disabled'") from err
+            self.wandb_run = wandb.init(project=project, name=name or self.run_path.name, config=config or {},
+                                        mode=wandb_mode, dir=str(self.run_path), reinit="finish_previous")
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        row = {"step": int(step), "wall_time": round(time.time() - self._t0, 3),
+               **{k: _plain(v) for k, v in metrics.items()}}
+        self.rows.append(row)
+        with self.jsonl.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=int(step))
+
+    def summary(self, metrics: dict[str, Any]) -> None:
+        """Final numbers of the run, to ``summary.json`` (and the W&B run summary)."""
+        save_json(self.run_path / "summary.json", metrics)
+        if self.wandb_run is not None:
+            self.wandb_run.summary.update(metrics)
+
+    def finish(self) -> None:
+        if self.rows:
+            keys = list(dict.fromkeys(k for row in self.rows for k in row))
+            with (self.run_path / "metrics.csv").open("w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=keys)
+                writer.writeheader()
+                writer.writerows(self.rows)
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
+
+
+def _plain(v):
+    return v.item() if hasattr(v, "item") else v

@@ -1,0 +1,99 @@
+"""``ShortCutVelocityUNet1D``: a conditional 1D temporal U-Net over action chunks.
+
+The architecture is Diffusion Policy's ``ConditionalUnet1D`` (Chi et al. 2023, Sec. 3.2 and
+Fig. 2): residual Conv1d blocks over the time axis of the chunk, FiLM-conditioned (per-channel
+scale and bias, Perez et al. 2018) on a global condition, here the embeddings of the flow time
+``t``, the step size ``d`` and the flattened observation window.  Interface as every flowlib net:
+``net(x [B, H, A], t [B], d [B], obs [B, To, O]) -> velocity [B, H, A]``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .nets import SinusoidalEmbedding
+
+
+class Conv1dBlock(nn.Sequential):
+    """Conv1d -> GroupNorm -> Mish."""
+
+    def __init__(self, c_in: int, c_out: int, kernel_size: int, n_groups: int = 8):
+        super().__init__(nn.Conv1d(c_in, c_out, kernel_size, padding=kernel_size // 2),
+                         nn.GroupNorm(n_groups, c_out), nn.Mish())
+
+
+class FiLMResBlock1D(nn.Module):
+    """Two conv blocks; the condition sets a per-channel scale and bias after the first (FiLM)."""
+
+    def __init__(self, c_in: int, c_out: int, cond_dim: int, kernel_size: int = 5, n_groups: int = 8):
+        super().__init__()
+        self.block1 = Conv1dBlock(c_in, c_out, kernel_size, n_groups)
+        self.block2 = Conv1dBlock(c_out, c_out, kernel_size, n_groups)
+        self.film = nn.Sequential(nn.Mish(), nn.Linear(cond_dim, 2 * c_out))
+        self.residual = nn.Conv1d(c_in, c_out, 1) if c_in != c_out else nn.Identity()
+
+    def forward(self, x, cond):  # x [B, C, H], cond [B, cond_dim]
+        scale, bias = self.film(cond).unsqueeze(-1).chunk(2, dim=1)
+        h = self.block1(x) * (1 + scale) + bias
+        return self.block2(h) + self.residual(x)
+
+
+class ShortCutVelocityUNet1D(nn.Module):
+    """Velocity net over action chunks ``[B, H, A]``, conditioned on ``t``, ``d`` and ``obs [B, To, O]``.
+
+    ``down_dims`` sets the channel widths of the levels (each but the last halves ``H``, so ``H``
+    must be divisible by ``2 ** (len(down_dims) - 1)``).  ``emb_dim`` is the width of the ``t`` / ``d``
+    embedding; ``emb_scale`` the time-embedding scale (see ``flowlib.nets.SinusoidalEmbedding``).
+    """
+
+    def __init__(self, action_dim: int, obs_dim: int, obs_horizon: int = 2, pred_horizon: int = 16,
+                 down_dims: tuple[int, ...] = (64, 128, 256), emb_dim: int = 64, kernel_size: int = 5,
+                 n_groups: int = 8, emb_scale: float = 100.0):
+        super().__init__()
+        levels = len(down_dims)
+        if pred_horizon % (2 ** (levels - 1)):
+            raise ValueError(f"pred_horizon={pred_horizon} must be divisible by 2^{levels - 1} for {levels} U-Net levels")
+        self.action_dim, self.obs_dim, self.obs_horizon, self.pred_horizon = action_dim, obs_dim, obs_horizon, pred_horizon
+        self.t_emb = SinusoidalEmbedding(emb_dim, scale=emb_scale)
+        self.d_emb = SinusoidalEmbedding(emb_dim, scale=emb_scale)
+        self.time_mlp = nn.Sequential(nn.Linear(2 * emb_dim, 4 * emb_dim), nn.Mish(), nn.Linear(4 * emb_dim, emb_dim))
+        cond_dim = emb_dim + obs_horizon * obs_dim
+        dims = [action_dim, *down_dims]
+        self.down = nn.ModuleList()
+        for i, (c_in, c_out) in enumerate(zip(dims[:-1], dims[1:])):
+            last = i == levels - 1
+            self.down.append(nn.ModuleList([
+                FiLMResBlock1D(c_in, c_out, cond_dim, kernel_size, n_groups),
+                FiLMResBlock1D(c_out, c_out, cond_dim, kernel_size, n_groups),
+                nn.Conv1d(c_out, c_out, 3, stride=2, padding=1) if not last else nn.Identity()]))
+        self.mid = nn.ModuleList([FiLMResBlock1D(down_dims[-1], down_dims[-1], cond_dim, kernel_size, n_groups)
+                                  for _ in range(2)])
+        self.up = nn.ModuleList()
+        for c_out, c_in in reversed(list(zip(dims[1:-1], dims[2:]))):  # the finest skip is not used, as in DP
+            self.up.append(nn.ModuleList([
+                FiLMResBlock1D(2 * c_in, c_out, cond_dim, kernel_size, n_groups),
+                FiLMResBlock1D(c_out, c_out, cond_dim, kernel_size, n_groups),
+                nn.ConvTranspose1d(c_out, c_out, 4, stride=2, padding=1)]))
+        self.final = nn.Sequential(Conv1dBlock(down_dims[0], down_dims[0], kernel_size, n_groups),
+                                   nn.Conv1d(down_dims[0], action_dim, 1))
+
+    def forward(self, x, t, d, obs):
+        B = x.shape[0]
+        if x.shape[1:] != (self.pred_horizon, self.action_dim):
+            raise ValueError(f"x must be [B, {self.pred_horizon}, {self.action_dim}], got {tuple(x.shape)}")
+        if obs is None or obs.shape[1:] != (self.obs_horizon, self.obs_dim):
+            got = None if obs is None else tuple(obs.shape)
+            raise ValueError(f"obs must be [B, {self.obs_horizon}, {self.obs_dim}], got {got}")
+        cond = torch.cat([self.time_mlp(torch.cat([self.t_emb(t), self.d_emb(d)], -1)), obs.reshape(B, -1)], -1)
+        h = x.transpose(1, 2)  # [B, A, H]
+        skips = []
+        for res1, res2, down in self.down:
+            h = res2(res1(h, cond), cond)
+            skips.append(h)
+            h = down(h)
+        for res in self.mid:
+            h = res(h, cond)
+        for res1, res2, up in self.up:
+            h = torch.cat([h, skips.pop()], dim=1)  # the skip of the same resolution
+            h = up(res2(res1(h, cond), cond))
+        return self.final(h).transpose(1, 2)  # [B, H, A]

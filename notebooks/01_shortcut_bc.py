@@ -1,0 +1,249 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: tags,-all
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: kernelspec,jupytext,-jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 01 · Stage 1: ShortCut Flow behaviour cloning on ManiSkill3 (PickCube-v1)
+#
+# The first stage of the pipeline: clone motion-planned demonstrations with a **step-size-conditioned
+# flow over action chunks**, evaluated in the real simulator with 1, 2, 4 and 8 integration steps.
+#
+# **Action chunking** (Zhao et al. 2023; Chi et al. 2023). The policy sees a window of the last
+# $T_o = 2$ observations and predicts a chunk of $H = 16$ future actions, of which it executes the
+# $T_a = 8$ starting at the current step, then re-plans. Chunks make the policy temporally
+# consistent and divide the number of network calls by $T_a$.
+#
+# **The ShortCut objective, conditioned on the observation** (Frans et al. 2024, Eq. 5; notebook 00):
+# with $a_0 \sim \mathcal N(0, I)$ and $a_1$ the normalised demo chunk, $a_t = (1 - t)a_0 + t a_1$,
+# $$\mathcal L = \mathbb E\,\big\|s_\theta(a_t, t, d_\min \mid o) - (a_1 - a_0)\big\|^2
+#   + \mathbb E\,\big\|s_\theta(a_t, t, 2d \mid o) - \tfrac12\big[s(a_t, t, d \mid o) + s(a'_{t+d}, t + d, d \mid o)\big]_\text{EMA}\big\|^2 ,$$
+# the second term on a quarter of each batch. The same `flowlib.flows.ShortCut` as in notebook 00
+# (no second copy); only the network changes: `ShortCutVelocityUNet1D`, Diffusion Policy's 1D
+# temporal U-Net with FiLM conditioning on $(t, d, o)$.
+#
+# **Evaluation** follows ManiSkill's imitation baselines: 100 steps per PickCube episode,
+# termination ignored, `success_once` (success at any step, the metric of record) and
+# `success_at_end`. The policy is the deterministic ODE from seeded noise, EMA weights.
+
+# %%
+import json
+import time
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import torch
+
+from flowlib import bc, config, runs
+from flowlib.data import ChunkDataset, generate_demos, load_demos
+from flowlib.envs import make_env
+from flowlib.tracking import Tracker
+
+# %% tags=["parameters"]
+# Defaults: the small CPU run (minutes; the policy will not solve the task yet).
+# Longer runs: params/01_shortcut_bc/cpu.yaml (2 CPU cores) and gpu.yaml.
+seed = 0
+env_id = "PickCube-v1"
+num_demos = 20
+demo_file = ""
+obs_horizon = 2
+pred_horizon = 16
+act_horizon = 8
+down_dims = [32, 64]
+emb_dim = 32
+shortcut_max_steps = 8
+bootstrap_fraction = 0.25
+ema_decay = 0.995
+train_steps = 300
+batch_size = 128
+lr = 0.001
+weight_decay = 1e-06
+warmup_steps = 50
+ckpt_every = 100
+log_every = 25
+eval_every = 0
+select_inference_steps = 4
+eval_inference_steps = [1, 2, 4, 8]
+num_eval_episodes = 4
+num_envs = 2
+max_episode_steps = 100
+backend = "auto"
+num_threads = 1
+resume = True
+run_name = "default"
+wandb_mode = "disabled"
+
+# %%
+cfg = config.from_globals(bc.ShortCutBCConfig, globals())
+if cfg.num_threads:
+    torch.set_num_threads(cfg.num_threads)
+torch.manual_seed(cfg.seed)
+run_path = runs.run_dir("01_shortcut_bc", cfg.run_name)
+runs.save_params(run_path, cfg)
+tracker = Tracker(run_path, config.to_dict(cfg), wandb_mode=cfg.wandb_mode, project="flowlib-01", resume=cfg.resume)
+print(f"run folder: outputs/01_shortcut_bc/{cfg.run_name}")
+
+# %% [markdown]
+# ## Demonstrations
+# ManiSkill's motion planner solves the task (`mplib`); ManiSkill's replay tool converts each
+# solution to state observations and `pd_ee_delta_pos` actions (end-effector displacement + gripper),
+# recording dense rewards and success flags, which later stages need. Cached under `outputs/data/`.
+
+# %%
+t0 = time.time()
+path = cfg.demo_file or generate_demos(cfg.env_id, cfg.num_demos)
+episodes = load_demos(path, max_episodes=None if cfg.demo_file else cfg.num_demos)
+lengths = np.array([len(ep) for ep in episodes])
+print(f"demos ready in {time.time() - t0:.0f}s: {len(episodes)} episodes, length {lengths.mean():.1f} ± {lengths.std():.1f}")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"episodes: {len(episodes)}; obs dim {episodes[0].obs.shape[1]}; action dim {episodes[0].actions.shape[1]}")
+print(f"every demo succeeds: {all(ep.success.any() for ep in episodes)}; rewards recorded: {all(len(ep.rewards) == len(ep) for ep in episodes)}")
+
+# %% [markdown]
+# ## Windows: observation history and action chunk
+# Sample $i$ pairs $o_{s:s+T_o}$ with $a_{s:s+H}$; windows overhanging the episode are padded
+# (first observation / action before the start; after the end a zero displacement with the last
+# gripper command, i.e. "hold still"). Observations are standardised, actions min-max scaled to
+# $[-1, 1]$; both normalisers are stored with the checkpoint.
+
+# %%
+dataset = ChunkDataset(episodes, cfg.obs_horizon, cfg.pred_horizon)
+obs_w, act_w = dataset[len(dataset) // 3]
+fig, ax = plt.subplots(figsize=(6, 2.6))
+ax.plot(act_w.numpy(), marker=".")
+ax.axvspan(cfg.obs_horizon - 1, cfg.obs_horizon - 1 + cfg.act_horizon, color="0.9", label="executed")
+ax.set_xlabel("chunk index")
+ax.set_ylabel("normalised action")
+ax.legend(["dx", "dy", "dz", "gripper", "executed"], fontsize=7, ncol=5)
+runs.save_figure(fig, run_path, "action_chunk")
+plt.show()
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"windows: {len(dataset) == sum(len(ep) for ep in episodes)} (one per step the policy acts at)")
+print(f"obs window {tuple(obs_w.shape)}, action chunk {tuple(act_w.shape)}")
+
+# %% [markdown]
+# ## Simulator
+# `flowlib.envs.make_env` picks `physx_cuda` with many envs on a GPU, else `physx_cpu` with one
+# env per process behind gymnasium's `AsyncVectorEnv`. Same batched-torch interface either way.
+
+# %%
+env = make_env(cfg.env_id, cfg.num_envs, max_episode_steps=cfg.max_episode_steps, backend=cfg.backend)
+print(f"backend {env.backend}, {env.num_envs} envs")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(env.spec)
+
+# %% [markdown]
+# ## Training
+# AdamW with warm-up and cosine decay, EMA weights (also the ShortCut teacher), gradient clipping.
+# `last.pt` is written every `ckpt_every` steps (atomically); re-running the notebook with the
+# same `run_name` resumes from it.
+
+# %%
+t0 = time.time()
+policy, best = bc.train(cfg, dataset, run_path, tracker, env=env)
+train_time = time.time() - t0
+history = pd.DataFrame(tracker.rows)
+fig, ax = plt.subplots(figsize=(6, 2.8))
+ax.plot(history["step"], history["loss"], label="loss")
+ax.plot(history["step"], history["flow_mse"], label="flow-matching part")
+ax.plot(history["step"], history["consistency_mse"], label="self-consistency part")
+ax.set_yscale("log")
+ax.set_xlabel("step")
+ax.legend()
+runs.save_figure(fig, run_path, "loss")
+plt.show()
+print(f"trained {cfg.train_steps} steps in {train_time:.0f}s")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+first, last = history["loss"].iloc[: max(1, len(history) // 5)].mean(), history["loss"].iloc[-max(1, len(history) // 5):].mean()
+print(f"loss went down: {last < first}")
+print(f"checkpoints: {sorted(p.name for p in run_path.glob('*.pt'))}")
+
+# %% [markdown]
+# ## Success against the number of integration steps
+# Same evaluation seeds for every $K$; episodes run the full 100 steps.
+
+# %%
+rows = []
+for K in cfg.eval_inference_steps:
+    result = bc.evaluate(policy, env, cfg.num_eval_episodes, K, seed=cfg.seed)
+    rows.append({"inference steps": K, "success_once": result["success_once"], "success_at_end": result["success_at_end"],
+                 "return": result["return"], "env steps/s": result["env_steps_per_s"]})
+    tracker.log({f"eval_K{K}/success_once": result["success_once"], f"eval_K{K}/success_at_end": result["success_at_end"]},
+                cfg.train_steps)
+results = pd.DataFrame(rows).set_index("inference steps")
+results.to_csv(run_path / "success_vs_steps.csv")
+fig, ax = plt.subplots(figsize=(5, 2.8))
+results[["success_once", "success_at_end"]].plot.bar(ax=ax, rot=0)
+ax.set_ylim(0, 1)
+ax.set_title(f"{cfg.env_id}, {cfg.num_eval_episodes} episodes")
+runs.save_figure(fig, run_path, "success_vs_steps")
+plt.show()
+results.round(3)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"success rates are fractions of {cfg.num_eval_episodes} episodes: "
+      f"{all(0 <= v <= 1 for v in results[['success_once', 'success_at_end']].to_numpy().ravel())}")
+print(f"success_at_end <= success_once: {bool((results['success_at_end'] <= results['success_once']).all())}")
+
+# %% [markdown]
+# ## A rollout, rendered
+# RGB rendering works on CPU (Mesa lavapipe). Frames of one episode at 4 inference steps.
+
+# %%
+with make_env(cfg.env_id, 1, max_episode_steps=cfg.max_episode_steps, backend=cfg.backend, render=True) as render_env:
+    shown = bc.evaluate(policy, render_env, 1, cfg.select_inference_steps, seed=cfg.seed, frame_every=12)
+frames = shown["frames"]
+fig, axes = plt.subplots(1, len(frames), figsize=(1.9 * len(frames), 2.1), squeeze=False)
+for i, (ax, frame) in enumerate(zip(axes[0], frames)):
+    ax.imshow(frame)
+    ax.set_axis_off()
+    ax.set_title(f"step {12 * (i + 1)}", fontsize=8)
+fig.suptitle(f"success_once = {shown['success_once']:.0f}")
+runs.save_figure(fig, run_path, "rollout")
+plt.show()
+
+# %% [markdown]
+# ## Benchmark: raw simulator vs policy in the loop
+# The same envs stepped with random actions, against the evaluation above (policy at $K$ steps
+# every $T_a$ env steps). The gap is the policy's overhead on this machine.
+
+# %%
+obs = env.reset(seed=cfg.seed)
+n_steps = 200
+t0 = time.time()
+for _ in range(n_steps):
+    env.step(torch.rand(env.num_envs, env.spec.action_dim) * 2 - 1)
+raw = n_steps * env.num_envs / (time.time() - t0)
+bench = {"env_id": cfg.env_id, "backend": env.backend, "num_envs": env.num_envs, "raw_env_steps_per_s": raw,
+         **{f"policy_K{K}_env_steps_per_s": results.loc[K, "env steps/s"] for K in cfg.eval_inference_steps},
+         "torch_threads": torch.get_num_threads()}
+runs.save_json(run_path / "benchmark.json", bench)
+pd.Series(bench)
+
+# %%
+env.close()
+summary = {"train_time_s": train_time, "best": best, "results": results.reset_index().to_dict("records"), "benchmark": bench}
+tracker.summary(summary)
+tracker.finish()
+print(json.dumps({K: results.loc[K, "success_once"] for K in cfg.eval_inference_steps}))

@@ -1,0 +1,140 @@
+"""Stage 1: U-Net shapes, checkpoints (round trip, resume after a kill, bad input), and a real
+PickCube env on CPU driven by a policy."""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from flowlib import bc
+from flowlib.data import ChunkDataset, Episode
+from flowlib.envs import EnvSpec, check_env_id, make_env
+from flowlib.unet import ShortCutVelocityUNet1D
+
+OBS_DIM, ACT_DIM = 42, 4  # PickCube-v1, state obs, pd_ee_delta_pos
+
+
+def random_episodes(n=3, T=30, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        success = np.zeros(T, dtype=bool)
+        out.append(Episode(rng.normal(size=(T + 1, OBS_DIM)).astype(np.float32),
+                           rng.uniform(-1, 1, size=(T, ACT_DIM)).astype(np.float32),
+                           np.zeros(T, np.float32), success, success.copy(), success.copy()))
+    return out
+
+
+def tiny_cfg(**kw):
+    base = dict(down_dims=[8, 16], emb_dim=8, train_steps=20, batch_size=16, warmup_steps=2, ckpt_every=10,
+                log_every=1, num_eval_episodes=1, num_envs=1)
+    return bc.ShortCutBCConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("down_dims, H", [((8, 16), 16), ((8, 16, 32), 16), ((8, 16, 32), 8)])
+def test_unet_maps_chunks_to_chunks(down_dims, H):
+    net = ShortCutVelocityUNet1D(ACT_DIM, OBS_DIM, obs_horizon=2, pred_horizon=H, down_dims=down_dims, emb_dim=8)
+    x, t, obs = torch.randn(5, H, ACT_DIM), torch.rand(5), torch.randn(5, 2, OBS_DIM)
+    assert net(x, t, t, obs).shape == (5, H, ACT_DIM)
+
+
+def test_unet_rejects_wrong_shapes_with_the_expected_ones():
+    net = ShortCutVelocityUNet1D(ACT_DIM, OBS_DIM, 2, 16, down_dims=(8, 16), emb_dim=8)
+    t = torch.rand(2)
+    with pytest.raises(ValueError, match=r"x must be \[B, 16, 4\]"):
+        net(torch.randn(2, 16, 7), t, t, torch.randn(2, 2, OBS_DIM))
+    with pytest.raises(ValueError, match=r"obs must be \[B, 2, 42\]"):
+        net(torch.randn(2, 16, 4), t, t, torch.randn(2, 3, OBS_DIM))
+    with pytest.raises(ValueError, match="divisible"):
+        ShortCutVelocityUNet1D(ACT_DIM, OBS_DIM, 2, 10, down_dims=(8, 16, 32))
+
+
+def test_config_rejects_inconsistent_horizons_and_steps():
+    with pytest.raises(ValueError, match="act_horizon"):
+        bc.ShortCutBCConfig(act_horizon=16)
+    with pytest.raises(ValueError, match="divide shortcut_max_steps"):
+        bc.ShortCutBCConfig(eval_inference_steps=[3])
+
+
+def test_checkpoint_round_trip_gives_the_same_actions(tmp_path):
+    cfg = tiny_cfg(train_steps=5)
+    policy, _ = bc.train(cfg, ChunkDataset(random_episodes(), 2, 16), tmp_path)
+    loaded = bc.load_policy(tmp_path / "last.pt")
+    obs = torch.randn(3, 2, OBS_DIM)
+    a = policy.act(obs, 4, torch.Generator().manual_seed(0))
+    b = loaded.act(obs, 4, torch.Generator().manual_seed(0))
+    assert a.shape == (3, cfg.act_horizon, ACT_DIM) and torch.allclose(a, b)
+    assert (tmp_path / "best_model.pt").exists()
+
+
+def test_a_killed_run_resumes_from_last_and_ends_where_an_unbroken_run_ends(tmp_path):
+    dataset = ChunkDataset(random_episodes(), 2, 16)
+    cfg = tiny_cfg()
+    unbroken, _ = bc.train(cfg, dataset, tmp_path / "a")
+
+    class KillAt15:
+        rows = []
+
+        def log(self, metrics, step):
+            if step == 15:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        bc.train(cfg, dataset, tmp_path / "b", tracker=KillAt15())
+    assert bc.read_checkpoint(tmp_path / "b" / "last.pt")["step"] == 10  # lost at most one interval
+    resumed, _ = bc.train(cfg, dataset, tmp_path / "b")
+    for p, q in zip(unbroken.flow.parameters(), resumed.flow.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+
+
+def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path):
+    dataset = ChunkDataset(random_episodes(), 2, 16)
+    bc.train(tiny_cfg(train_steps=2), dataset, tmp_path)
+    with pytest.raises(ValueError, match="other settings"):
+        bc.train(tiny_cfg(train_steps=2, emb_dim=16), dataset, tmp_path)
+
+
+def test_missing_or_foreign_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError, match="notebook 01"):
+        bc.load_policy(tmp_path / "missing.pt")
+    torch.save({"weights": 1}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="not a flowlib ShortCut-BC checkpoint"):
+        bc.load_policy(tmp_path / "other.pt")
+
+
+def test_checkpoint_and_env_dims_must_match(tmp_path):
+    bc.train(tiny_cfg(train_steps=1), ChunkDataset(random_episodes(), 2, 16), tmp_path)
+    ok = EnvSpec("PickCube-v1", OBS_DIM, ACT_DIM, "pd_ee_delta_pos", 100)
+    bc.load_policy(tmp_path / "last.pt", ok)
+    with pytest.raises(ValueError, match="obs_dim=42 but the env has obs_dim=48"):
+        bc.load_policy(tmp_path / "last.pt", dataclasses.replace(ok, obs_dim=48))
+    with pytest.raises(ValueError, match="trained on PickCube-v1, env is StackCube-v1"):
+        bc.load_policy(tmp_path / "last.pt", dataclasses.replace(ok, env_id="StackCube-v1"))
+
+
+def test_unknown_env_id_suggests_real_ones():
+    with pytest.raises(ValueError, match="PickCube-v1"):
+        check_env_id("PickCub-v1")
+
+
+@pytest.mark.parametrize("env_id", ["PickCube-v1", "PushCube-v1", "StackCube-v1"])
+def test_real_maniskill_env_on_cpu_has_the_batched_interface(env_id):
+    with make_env(env_id, 1, max_episode_steps=5) as env:
+        obs = env.reset(seed=0)
+        assert obs.shape == (1, env.spec.obs_dim) and obs.dtype == torch.float32
+        assert env.spec.action_dim == 4 and env.backend == "physx_cpu"
+        for _ in range(5):
+            obs, reward, terminated, truncated, success = env.step(torch.zeros(1, 4))
+        assert reward.shape == terminated.shape == success.shape == (1,)
+        assert truncated.tolist() == [True]  # the time limit, not termination
+        with pytest.raises(ValueError, match=r"action must be \[1, 4\]"):
+            env.step(torch.zeros(1, 3))
+
+
+def test_policy_rolls_in_a_real_pickcube_env(tmp_path):
+    policy, _ = bc.train(tiny_cfg(train_steps=2), ChunkDataset(random_episodes(), 2, 16), tmp_path)
+    with make_env("PickCube-v1", 1, max_episode_steps=10) as env:
+        bc.check_compatible(policy.meta, env.spec)
+        result = bc.evaluate(policy, env, num_episodes=1, num_inference_steps=2, seed=0)
+    assert set(result) >= {"success_once", "success_at_end", "return", "env_steps_per_s"}
+    assert result["episodes"] == 1 and 0 <= result["success_at_end"] <= result["success_once"] <= 1

@@ -1,0 +1,51 @@
+"""Notebook contract: paired .py/.ipynb in sync, reference outputs present, one parameters cell
+whose defaults are exactly the notebook's config dataclass."""
+import dataclasses
+
+import jupytext
+import nbformat
+import pytest
+from jupytext.config import load_jupytext_config
+
+from flowlib.run import NOTEBOOK_CONFIGS, config_class
+from flowlib.runs import REPO_ROOT
+
+NB_DIR = REPO_ROOT / "notebooks"
+SOURCES = sorted(NB_DIR.glob("[0-9]*.py"))
+IDS = [p.stem for p in SOURCES]
+
+
+def test_there_are_notebooks():
+    assert SOURCES, "no notebooks/NN_name.py found"
+
+
+@pytest.mark.parametrize("py", SOURCES, ids=IDS)
+def test_pair_is_in_sync(py):
+    ipynb = py.with_suffix(".ipynb")
+    assert ipynb.exists(), f"{py.name} has no paired {ipynb.name}: run `make sync`"
+    config = load_jupytext_config(str(NB_DIR))
+    from_ipynb = jupytext.writes(jupytext.read(ipynb), fmt="py:percent", config=config)
+    assert from_ipynb == py.read_text(), (
+        f"{ipynb.name} and {py.name} differ: edit the .py, then `make sync` (or `make notebooks` to refresh outputs)")
+
+
+@pytest.mark.parametrize("py", SOURCES, ids=IDS)
+def test_reference_outputs_are_committed(py):
+    nb = nbformat.read(py.with_suffix(".ipynb"), as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    unexecuted = [i for i, c in enumerate(code) if c.get("execution_count") is None]
+    assert not unexecuted, f"{py.stem}: code cells {unexecuted} have no stored outputs: run `make notebooks`"
+    assert nb.metadata.get("kernelspec", {}).get("name") == "python3"
+
+
+@pytest.mark.parametrize("py", SOURCES, ids=IDS)
+def test_parameters_cell_matches_the_config_dataclass(py):
+    nb = jupytext.read(py)
+    tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1, f"{py.name}: expected exactly one cell tagged 'parameters', found {len(tagged)}"
+    assert py.stem in NOTEBOOK_CONFIGS, f"register {py.stem}'s config class in flowlib.run.NOTEBOOK_CONFIGS"
+    namespace: dict = {}
+    exec(tagged[0].source, namespace)
+    defaults = {k: v for k, v in namespace.items() if not k.startswith("__")}
+    assert defaults == dataclasses.asdict(config_class(py.stem)()), (
+        "the parameters cell and the config dataclass defaults must agree")

@@ -1,0 +1,63 @@
+"""Run folders, atomic writes and metric tracking (W&B offline needs no account or network)."""
+import csv
+import json
+
+import pytest
+import torch
+
+from flowlib.runs import run_dir, save_json, save_torch
+from flowlib.tracking import Tracker
+
+
+def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    save_torch({"step": 1}, path)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        save_torch({"step": 2, "bad": Unpicklable()}, path)
+    assert torch.load(path) == {"step": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary left behind
+
+
+def test_run_dir_lives_under_the_outputs_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path))
+    assert run_dir("00_flows_2d", "r1") == tmp_path / "00_flows_2d" / "r1"
+    with pytest.raises(ValueError, match="plain folder name"):
+        run_dir("00_flows_2d", "../escape")
+
+
+def test_tracker_writes_jsonl_csv_and_summary_and_resumes(tmp_path):
+    tr = Tracker(tmp_path)
+    tr.log({"loss": torch.tensor(0.5)}, step=0)
+    tr.log({"loss": 0.25, "acc": 1.0}, step=10)
+    tr.summary({"final": 0.25})
+    tr.finish()
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert [r["loss"] for r in rows] == ["0.5", "0.25"] and rows[1]["acc"] == "1.0"
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"final": 0.25}
+    resumed = Tracker(tmp_path, resume=True)
+    resumed.log({"loss": 0.1}, step=20)
+    assert [r["step"] for r in resumed.rows] == [0, 10, 20]
+
+
+def test_wandb_offline_writes_locally(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tr = Tracker(tmp_path, config={"lr": 1e-3}, wandb_mode="offline", project="flowlib-test")
+    tr.log({"loss": 1.0}, step=0)
+    tr.finish()
+    assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline W&B run written"
+
+
+def test_tracker_rejects_unknown_wandb_mode(tmp_path):
+    with pytest.raises(ValueError, match="wandb_mode"):
+        Tracker(tmp_path, wandb_mode="cloud")
+
+
+def test_save_json_handles_tensors(tmp_path):
+    save_json(tmp_path / "m.json", {"x": torch.tensor(1.5), "v": torch.arange(2)})
+    assert json.loads((tmp_path / "m.json").read_text()) == {"x": 1.5, "v": [0, 1]}
