@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.py))
-DEMO_NOTEBOOKS := 00_flows_2d
+DEMO_NOTEBOOKS := 00_flows_2d 01_shortcut_bc
 
 .PHONY: install system-deps demo test unit nbval sync notebooks check-pairs clean
 
@@ -31,9 +31,11 @@ demo: install
 	done
 	@echo "Results: outputs/<notebook>/default/ (executed notebook, params.yaml, metrics, figures)"
 
-# Unit tests and the notebooks' reference outputs, in one pytest run.
+# Unit tests and the notebooks' reference outputs, in one pytest run. Runs write to a temporary
+# outputs root, so a test never resumes (or clobbers) one of your runs under outputs/.
 test: install
-	$(PY) -m pytest tests notebooks --nbval-lax -v -rs --durations=15
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	FLOWLIB_OUTPUTS=$$tmp $(PY) -m pytest tests notebooks --nbval-lax -v -rs --durations=15
 
 unit: install
 	$(PY) -m pytest tests

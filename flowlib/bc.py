@@ -187,6 +187,7 @@ def evaluate(policy: FlowPolicy, env, num_episodes: int, num_inference_steps: in
     ``i`` uses env seed ``seed + i``, and the policy's noise is seeded from ``seed`` too.
     """
     policy.eval()
+    device = next(policy.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     once, at_end, returns, frames = [], [], [], []
     t0, steps, policy_time = time.time(), 0, 0.0
@@ -198,7 +199,8 @@ def evaluate(policy: FlowPolicy, env, num_episodes: int, num_inference_steps: in
         t = 0
         while t < env.max_episode_steps:
             tp = time.time()
-            actions = policy.act(torch.stack(list(history), dim=1), num_inference_steps, gen)  # [N, Ta, A]
+            window = torch.stack(list(history), dim=1).to(device)  # [N, To, O]
+            actions = policy.act(window, num_inference_steps, gen).to(env.device)  # [N, Ta, A]
             policy_time += time.time() - tp
             for a in actions.unbind(1):
                 obs, reward, _, truncated, success = env.step(a)
@@ -225,6 +227,7 @@ def train(cfg: ShortCutBCConfig, dataset: ChunkDataset, run_path: Path, tracker=
           control_mode: str = "pd_ee_delta_pos") -> tuple[FlowPolicy, dict[str, Any]]:
     """ShortCut BC with EMA, AdamW, warm-up + cosine LR; checkpoints ``last.pt`` / ``best_model.pt``.
 
+    Trains on CUDA when present, else on CPU.
     With ``cfg.resume`` and an existing ``<run>/last.pt`` of the same config, training continues
     from its step (a finished run just reloads).  With ``env`` and ``cfg.eval_every``, the EMA policy
     is evaluated periodically; ``best_model.pt`` keeps the best ``success_once`` at
@@ -251,7 +254,9 @@ def train(cfg: ShortCutBCConfig, dataset: ChunkDataset, run_path: Path, tracker=
         torch.set_rng_state(ckpt["rng"])
         step, best = ckpt["step"], ckpt["best"]
         print(f"resumed from {last} at step {step}")
-    obs_all, act_all = dataset.tensors()  # [N, To, O], [N, H, A] (normalised)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    policy.to(device)
+    obs_all, act_all = (x.to(device) for x in dataset.tensors())  # [N, To, O], [N, H, A] (normalised)
     policy.train()
     bar = tqdm(total=cfg.train_steps, initial=step, desc="ShortCut BC", mininterval=10)
     while step < cfg.train_steps:
