@@ -80,9 +80,7 @@ def save_figure(fig, run_path: Path, name: str, dpi: int = 110) -> Path:
 
 
 def _jsonable(x):
-    if hasattr(x, "item"):
-        return x.item()
-    if hasattr(x, "tolist"):
+    if hasattr(x, "tolist"):  # tensors and numpy arrays/scalars (0-d gives a plain number)
         return x.tolist()
     if isinstance(x, Path):
         return str(x)

@@ -9,11 +9,19 @@ from flowlib.flows import MeanFlow, ReFlow, ShortCut, interpolate, time_grid
 from flowlib.nets import ConditionalMLP
 from flowlib.toy2d import sample_target
 
-torch.set_default_dtype(torch.float64)
+
+@pytest.fixture(autouse=True)
+def float64():
+    """These closed-form checks run in float64; the default dtype is restored for other test files."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
 
 # Gaussian-to-Gaussian: x_0 ~ N(0, I), x_1 ~ N(m, s^2 I).  Then x_t ~ N(t m, sig_t^2 I) with
 # sig_t^2 = (1 - t)^2 + t^2 s^2, the marginal flow is affine, and v and u have closed forms.
-M, S = torch.tensor([2.0, -1.0]), 0.5
+M, S = torch.tensor([2.0, -1.0], dtype=torch.float64), 0.5
 
 
 def sig(t):
@@ -196,7 +204,7 @@ def test_trained_instantaneous_velocity_matches_the_exact_gaussian_velocity(cls)
         after = error()
         assert after < 0.05 * (v_exact ** 2).sum(1).mean().item(), (before, after)
     finally:
-        torch.set_default_dtype(torch.float64)
+        torch.set_default_dtype(torch.float64)  # back to this module's dtype
 
 
 def test_ema_tracks_the_live_net():
