@@ -12,6 +12,7 @@ config, RNG state and the env/dims metadata that ``load_policy`` checks against 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections import deque
@@ -24,12 +25,14 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from .data import ChunkDataset, Normalizer
+from .data import ChunkDataset, Episode, Normalizer
 from .flows import ShortCut
 from .runs import save_torch
 from .unet import ShortCutVelocityUNet1D
 
 CHECKPOINT_FORMAT = "flowlib.shortcut_bc/1"
+AW_CHECKPOINT_FORMAT = "flowlib.aw_shortcut/1"  # stage 2: the same contents plus its critic
+POLICY_FORMATS = (CHECKPOINT_FORMAT, AW_CHECKPOINT_FORMAT)
 
 
 @dataclass
@@ -59,6 +62,8 @@ class ShortCutBCConfig:
     select_inference_steps: int = 4     # K whose success_once picks best_model.pt
     eval_inference_steps: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     num_eval_episodes: int = 4
+    val_seed: int = 10_000              # env seeds of the periodic evaluations that pick best_model.pt
+    eval_seed: int = 20_000             # env seeds of the final report (demos use seeds from 0: keep these apart)
     num_envs: int = 2
     max_episode_steps: int = 100
     backend: str = "auto"
@@ -132,10 +137,11 @@ def check_compatible(meta: dict[str, Any], spec) -> None:
         raise ValueError(f"checkpoint uses control_mode={meta['control_mode']}, env {spec.control_mode}")
 
 
-def save_checkpoint(path: Path, policy: FlowPolicy, optimizer, scheduler, step: int, cfg: ShortCutBCConfig,
-                    best: dict[str, Any]) -> Path:
+def save_checkpoint(path: Path, policy: FlowPolicy, optimizer, scheduler, step: int, cfg,
+                    best: dict[str, Any], extra: dict[str, Any] | None = None,
+                    checkpoint_format: str = CHECKPOINT_FORMAT) -> Path:
     return save_torch({
-        "format": CHECKPOINT_FORMAT, "step": step, "config": dataclasses.asdict(cfg), "meta": policy.meta,
+        **(extra or {}), "format": checkpoint_format, "step": step, "config": dataclasses.asdict(cfg), "meta": policy.meta,
         "flow": policy.flow.state_dict(), "obs_normalizer": policy.obs_normalizer.state_dict(),
         "action_normalizer": policy.action_normalizer.state_dict(),
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
@@ -150,8 +156,8 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"checkpoint {path} not found: train one with notebook 01 "
                                 "(python -m flowlib.run 01_shortcut_bc) or check the run folder")
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path} is not a flowlib ShortCut-BC checkpoint (format {CHECKPOINT_FORMAT})")
+    if not isinstance(ckpt, dict) or ckpt.get("format") not in POLICY_FORMATS:
+        raise ValueError(f"{path} is not a flowlib flow-policy checkpoint (formats {POLICY_FORMATS})")
     return ckpt
 
 
@@ -179,71 +185,109 @@ def cosine_with_warmup(optimizer, warmup_steps: int, total_steps: int):
 
 @torch.no_grad()
 def evaluate(policy: FlowPolicy, env, num_episodes: int, num_inference_steps: int, seed: int = 0,
-             frame_every: int = 0) -> dict[str, Any]:
-    """Roll out the deterministic ODE policy for ``num_episodes`` episodes (batches of ``env.num_envs``).
+             frame_every: int = 0, action_noise_std: float = 0.0, record: bool = False) -> dict[str, Any]:
+    """Roll out the ODE policy for ``num_episodes`` episodes (batches of ``env.num_envs``).
 
     ManiSkill's conventions: termination ignored, each episode runs ``env.max_episode_steps``
     steps; ``success_once`` = success at any step, ``success_at_end`` = at the last step.  Episode
     ``i`` uses env seed ``seed + i``, and the policy's noise is seeded from ``seed`` too.
+    ``action_noise_std > 0`` adds Gaussian exploration noise to the executed actions (clipped to
+    the action box [-1, 1]).  ``record=True`` also returns the rollouts as ``flowlib.data.Episode``
+    (dense rewards, success; ``terminated`` = success as in ManiSkill's PickCube; the last step truncated).
     """
     policy.eval()
     device = next(policy.parameters()).device
     gen = torch.Generator().manual_seed(seed)
-    once, at_end, returns, frames = [], [], [], []
+    once, at_end, returns, frames, episodes = [], [], [], [], []
     t0, steps, policy_time = time.time(), 0, 0.0
     for first in range(0, num_episodes, env.num_envs):
         obs = env.reset(seed=seed + first)
         history = deque([obs] * policy.obs_horizon, maxlen=policy.obs_horizon)
+        trace = {"obs": [obs.cpu()], "actions": [], "rewards": [], "success": []}
         ep_once = torch.zeros(env.num_envs, dtype=torch.bool)
         ep_return = torch.zeros(env.num_envs)
         t = 0
         while t < env.max_episode_steps:
             tp = time.time()
             window = torch.stack(list(history), dim=1).to(device)  # [N, To, O]
-            actions = policy.act(window, num_inference_steps, gen).to(env.device)  # [N, Ta, A]
+            actions = policy.act(window, num_inference_steps, gen).cpu()  # [N, Ta, A]
+            if action_noise_std > 0:
+                actions = (actions + action_noise_std * torch.randn(actions.shape, generator=gen)).clamp(-1, 1)
             policy_time += time.time() - tp
             for a in actions.unbind(1):
-                obs, reward, _, truncated, success = env.step(a)
+                obs, reward, _, truncated, success = env.step(a.to(env.device))
                 history.append(obs)
                 ep_once |= success.cpu()
                 ep_return += reward.cpu()
                 t += 1
                 steps += env.num_envs
+                if record:
+                    for key, value in (("obs", obs), ("actions", a), ("rewards", reward), ("success", success)):
+                        trace[key].append(value.cpu())
                 if frame_every and first == 0 and t % frame_every == 0:
                     frames.append(env.render()[0])
                 if t >= env.max_episode_steps:
                     break
         n = min(env.num_envs, num_episodes - first)
+        seeds = range(seed + first, seed + first + n)
         once += ep_once[:n].tolist()
         at_end += success.cpu()[:n].tolist()
         returns += ep_return[:n].tolist()
+        if record:
+            episodes += _episodes_from_trace(trace, seeds)
     wall = time.time() - t0
-    return {"success_once": float(np.mean(once)), "success_at_end": float(np.mean(at_end)),
-            "return": float(np.mean(returns)), "episodes": len(once), "per_episode_success_once": once,
-            "env_steps_per_s": steps / wall, "policy_time_fraction": policy_time / wall, "frames": frames}
+    out = {"success_once": float(np.mean(once)), "success_at_end": float(np.mean(at_end)),
+           "return": float(np.mean(returns)), "episodes": len(once), "per_episode_success_once": once,
+           "env_steps_per_s": steps / wall, "policy_time_fraction": policy_time / wall, "frames": frames}
+    if record:
+        out["rollouts"] = episodes
+    return out
 
 
-def train(cfg: ShortCutBCConfig, dataset: ChunkDataset, run_path: Path, tracker=None, env=None,
-          control_mode: str = "pd_ee_delta_pos") -> tuple[FlowPolicy, dict[str, Any]]:
+def _episodes_from_trace(trace: dict[str, list[torch.Tensor]], seeds: range) -> list[Episode]:
+    obs = torch.stack(trace["obs"], 1).numpy()           # [N, T+1, O]
+    actions = torch.stack(trace["actions"], 1).numpy()   # [N, T, A]
+    rewards = torch.stack(trace["rewards"], 1).numpy()   # [N, T]
+    success = torch.stack(trace["success"], 1).numpy()   # [N, T]
+    T = actions.shape[1]
+    truncated = np.zeros(T, dtype=bool)
+    truncated[-1] = True
+    return [Episode(obs[i], actions[i], rewards[i].astype(np.float32), success[i].astype(bool), success[i].astype(bool),
+                    truncated.copy(), seed=s) for i, s in enumerate(seeds)]
+
+
+def train(cfg, dataset: ChunkDataset, run_path: Path, tracker=None, env=None,
+          control_mode: str = "pd_ee_delta_pos", policy: FlowPolicy | None = None,
+          weights: torch.Tensor | None = None, extra: dict[str, Any] | None = None,
+          checkpoint_format: str = CHECKPOINT_FORMAT) -> tuple[FlowPolicy, dict[str, Any]]:
     """ShortCut BC with EMA, AdamW, warm-up + cosine LR; checkpoints ``last.pt`` / ``best_model.pt``.
 
-    Trains on CUDA when present, else on CPU.
-    With ``cfg.resume`` and an existing ``<run>/last.pt`` of the same config, training continues
+    ``cfg`` is a ``ShortCutBCConfig`` or any config with its training-loop fields (seed,
+    train_steps, batch_size, lr, weight_decay, warmup_steps, ckpt_every, log_every, eval_every,
+    num_eval_episodes, val_seed, select_inference_steps, resume).  Stage 2 passes the stage-1 ``policy`` to
+    start from, per-sample ``weights`` (``[N]``, aligned with ``dataset.tensors()``) and ``extra``
+    entries (the critic) stored in every checkpoint.  Trains on CUDA when present, else on CPU.
+
+    With ``cfg.resume`` and an existing ``<run>/last.pt`` of the same settings, training continues
     from its step (a finished run just reloads).  With ``env`` and ``cfg.eval_every``, the EMA policy
     is evaluated periodically; ``best_model.pt`` keeps the best ``success_once`` at
     ``select_inference_steps`` (the last checkpoint if there is no periodic evaluation).
     """
     run_path = Path(run_path)
     torch.manual_seed(cfg.seed)
-    meta = policy_meta(cfg, dataset, control_mode)
-    policy = build_policy(meta, dataset.obs_normalizer, dataset.action_normalizer)
+    if policy is None:
+        meta = policy_meta(cfg, dataset, control_mode)
+        policy = build_policy(meta, dataset.obs_normalizer, dataset.action_normalizer)
+    meta = policy.meta
     optimizer = torch.optim.AdamW(policy.flow.net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = cosine_with_warmup(optimizer, cfg.warmup_steps, cfg.train_steps)
     step, best = 0, {"success_once": -1.0, "step": 0}
     last = run_path / "last.pt"
+    save = functools.partial(save_checkpoint, policy=policy, optimizer=optimizer, scheduler=scheduler, cfg=cfg,
+                             extra=extra, checkpoint_format=checkpoint_format)
     if cfg.resume and last.exists():
         ckpt = read_checkpoint(last)
-        if ckpt["meta"] != meta:
+        if ckpt["meta"] != meta or ckpt["format"] != checkpoint_format:
             raise ValueError(f"{last} belongs to a run with other settings ({ckpt['meta']}); "
                              "use another run_name or set resume=False to start over")
         policy.flow.load_state_dict(ckpt["flow"])
@@ -253,15 +297,25 @@ def train(cfg: ShortCutBCConfig, dataset: ChunkDataset, run_path: Path, tracker=
         scheduler.load_state_dict(ckpt["scheduler"])
         torch.set_rng_state(ckpt["rng"])
         step, best = ckpt["step"], ckpt["best"]
+        if tracker is not None and hasattr(tracker, "rewind"):
+            tracker.rewind(step)  # rows logged after the checkpoint will be logged again
         print(f"resumed from {last} at step {step}")
+    obs_all, act_all = dataset.tensors()  # [N, To, O], [N, H, A] (normalised; before the policy moves)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     policy.to(device)
-    obs_all, act_all = (x.to(device) for x in dataset.tensors())  # [N, To, O], [N, H, A] (normalised)
+    obs_all, act_all = obs_all.to(device), act_all.to(device)
+    if weights is not None:
+        if weights.shape != (len(obs_all),):
+            raise ValueError(f"weights must be [{len(obs_all)}] (one per dataset window), got {tuple(weights.shape)}")
+        if not torch.isfinite(weights).all() or (weights < 0).any():
+            raise ValueError("weights must be finite and >= 0: check the critic's advantages and beta")
+        weights = weights.to(device)
     policy.train()
-    bar = tqdm(total=cfg.train_steps, initial=step, desc="ShortCut BC", mininterval=10)
+    bar = tqdm(total=cfg.train_steps, initial=step, desc="ShortCut BC" if weights is None else "AW-ShortCut",
+               mininterval=10)
     while step < cfg.train_steps:
         idx = torch.randint(0, len(obs_all), (cfg.batch_size,))
-        loss, info = policy.flow.loss(act_all[idx], obs_all[idx])
+        loss, info = policy.flow.loss(act_all[idx], obs_all[idx], weight=None if weights is None else weights[idx])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = nn.utils.clip_grad_norm_(policy.flow.net.parameters(), 1.0)
@@ -273,17 +327,17 @@ def train(cfg: ShortCutBCConfig, dataset: ChunkDataset, run_path: Path, tracker=
         if tracker is not None and (step % cfg.log_every == 0 or step == cfg.train_steps):
             tracker.log({**info, "grad_norm": grad_norm.item(), "lr": scheduler.get_last_lr()[0]}, step)
         if env is not None and cfg.eval_every and step % cfg.eval_every == 0:
-            result = evaluate(policy, env, cfg.num_eval_episodes, cfg.select_inference_steps, seed=10_000)
+            result = evaluate(policy, env, cfg.num_eval_episodes, cfg.select_inference_steps, seed=cfg.val_seed)
             policy.train()
             if tracker is not None:
                 tracker.log({"eval/success_once": result["success_once"], "eval/success_at_end": result["success_at_end"]}, step)
             if result["success_once"] > best["success_once"]:
                 best = {"success_once": result["success_once"], "step": step}
-                save_checkpoint(run_path / "best_model.pt", policy, optimizer, scheduler, step, cfg, best)
+                save(run_path / "best_model.pt", step=step, best=best)
         if step % cfg.ckpt_every == 0 or step == cfg.train_steps:
-            save_checkpoint(last, policy, optimizer, scheduler, step, cfg, best)
+            save(last, step=step, best=best)
     bar.close()
     if not (env is not None and cfg.eval_every) and not (run_path / "best_model.pt").exists():
-        save_checkpoint(run_path / "best_model.pt", policy, optimizer, scheduler, step, cfg, best)
+        save(run_path / "best_model.pt", step=step, best=best)
     policy.eval()
     return policy, best

@@ -111,5 +111,12 @@ def from_globals(cls: type[T], namespace: Mapping[str, Any]) -> T:
     return validate(cls, values, source="notebook parameters")
 
 
+def require(checks: list[tuple[bool, str]]) -> None:
+    """For ``__post_init__``: raise ``ValueError`` with the message of the first failed check."""
+    for ok, msg in checks:
+        if not ok:
+            raise ValueError(msg)
+
+
 def to_dict(cfg) -> dict[str, Any]:
     return dataclasses.asdict(cfg)

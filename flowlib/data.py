@@ -41,6 +41,7 @@ class Episode:
     success: np.ndarray     # [T]  success flag after each step; the sparse reward is success.astype(float)
     terminated: np.ndarray  # [T]
     truncated: np.ndarray   # [T]  (time limit; not termination)
+    seed: int | None = None  # the env seed it was reset with (evaluation must use other seeds)
 
     def __len__(self) -> int:
         return len(self.actions)
@@ -111,6 +112,9 @@ def load_demos(path: str | Path, control_mode: str = DEFAULT_CONTROL_MODE, max_e
                              f"-c {control_mode} -o state --save-traj --use-first-env-state -b physx_cpu --record-rewards")
         if kwargs.get("obs_mode") not in (None, "state"):
             raise ValueError(f"{path.name} has obs_mode={kwargs.get('obs_mode')!r}; replay it with -o state")
+    seeds = {}
+    if meta_path.is_file():
+        seeds = {e["episode_id"]: e.get("episode_seed") for e in json.loads(meta_path.read_text()).get("episodes", [])}
     episodes = []
     with h5py.File(path, "r") as f:
         keys = sorted((k for k in f.keys() if k.startswith("traj_")), key=lambda k: int(k.split("_")[1]))
@@ -124,10 +128,46 @@ def load_demos(path: str | Path, control_mode: str = DEFAULT_CONTROL_MODE, max_e
             episodes.append(Episode(
                 obs=np.asarray(g["obs"], dtype=np.float32), actions=np.asarray(g["actions"], dtype=np.float32),
                 rewards=np.asarray(g["rewards"], dtype=np.float32), success=np.asarray(g["success"], dtype=bool),
-                terminated=np.asarray(g["terminated"], dtype=bool), truncated=np.asarray(g["truncated"], dtype=bool)))
+                terminated=np.asarray(g["terminated"], dtype=bool), truncated=np.asarray(g["truncated"], dtype=bool),
+                seed=seeds.get(int(key.split("_")[1]))))
     if not episodes:
         raise ValueError(f"{path} holds no trajectories")
     return episodes
+
+
+def save_episodes(path: str | Path, episodes: list[Episode], env_id: str, control_mode: str = DEFAULT_CONTROL_MODE,
+                  source: str = "") -> Path:
+    """Write episodes in ManiSkill's trajectory format (``traj_<i>`` groups + ``.json``), so that
+    ``load_demos`` (and ManiSkill's tools) read them like replayed demos.  Atomic: the ``.h5`` appears last."""
+    import h5py
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with h5py.File(tmp, "w") as f:
+        for i, ep in enumerate(episodes):
+            g = f.create_group(f"traj_{i}")
+            for key in ("obs", "actions", "rewards", "success", "terminated", "truncated"):
+                g.create_dataset(key, data=getattr(ep, key))
+    meta = {"env_info": {"env_id": env_id, "env_kwargs": {"obs_mode": "state", "control_mode": control_mode}},
+            "source": source,
+            "episodes": [{"episode_id": i, "episode_seed": ep.seed, "elapsed_steps": len(ep),
+                          "success": bool(ep.success.any())} for i, ep in enumerate(episodes)]}
+    path.with_suffix(".json").write_text(json.dumps(meta, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def check_held_out(name: str, first_seed: int, num_episodes: int, episodes: list[Episode]) -> None:
+    """Evaluation on env seeds ``first_seed .. first_seed + num_episodes - 1`` must not reuse the initial
+    states of training episodes (demos, rollouts): that measures memorisation, not the policy.
+    Episodes of unknown seed (user files without ``episode_seed``) cannot be checked and are skipped."""
+    used = {e.seed for e in episodes if e.seed is not None}
+    clash = sorted(used & set(range(first_seed, first_seed + num_episodes)))
+    if clash:
+        raise ValueError(f"{name}={first_seed} evaluates on env seeds {first_seed}..{first_seed + num_episodes - 1}, but "
+                         f"{len(clash)} of them ({clash[:5]}...) started training episodes: the score would measure "
+                         f"memorisation. Set {name} to a seed >= {max(used) + 1} (the defaults are held out).")
 
 
 class Normalizer(torch.nn.Module):

@@ -114,6 +114,23 @@ class ManiSkillVecEnv:
         obs, _ = self.env.reset(seed=seed)
         return self._tensor(obs).reshape(self.num_envs, -1)
 
+    def reset_some(self, mask: torch.Tensor, seeds: list[int]) -> torch.Tensor:
+        """Restart only the envs where ``mask [N]`` is true, env ``i`` with ``seeds[i]`` (the others keep
+        running).  Returns obs ``[N, O]``: new first observations where reset (others: undefined, ignore)."""
+        mask = torch.as_tensor(mask, dtype=torch.bool).cpu()
+        if mask.shape != (self.num_envs,) or len(seeds) != self.num_envs:
+            raise ValueError(f"mask and seeds must have {self.num_envs} entries, got {tuple(mask.shape)} and {len(seeds)}")
+        if not mask.any():
+            raise ValueError("reset_some needs at least one env to reset")
+        if self.backend == "physx_cuda":
+            # ManiSkill's GPU sim takes one seed list for all envs; partial resets draw their episode
+            # seeds from its main RNG instead (seeded by the last full reset), reproducible all the same
+            idx = torch.nonzero(mask).squeeze(1)
+            obs, _ = self.env.reset(options={"env_idx": idx.to(self.device)})
+        else:
+            obs, _ = self.env.reset(seed=[int(s) for s in seeds], options={"reset_mask": mask.numpy()})
+        return self._tensor(obs).reshape(self.num_envs, -1)
+
     def step(self, action: torch.Tensor):
         """``action [N, A]`` -> ``obs [N, O], reward [N], terminated [N], truncated [N], success [N]``."""
         if action.shape != (self.num_envs, self.spec.action_dim):

@@ -25,6 +25,9 @@ NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 NOTEBOOK_CONFIGS = {
     "00_flows_2d": "flowlib.toy2d:Flows2DConfig",
     "01_shortcut_bc": "flowlib.bc:ShortCutBCConfig",
+    "02_aw_shortcut": "flowlib.awsc:AWShortCutConfig",
+    "03_reinflow": "flowlib.reinflow:ReinFlowConfig",
+    "05_ablation_report": "flowlib.sweep:SweepReportConfig",
 }
 
 

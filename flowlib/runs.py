@@ -23,9 +23,11 @@ def outputs_root() -> Path:
 
 
 def run_dir(notebook: str, run_name: str) -> Path:
-    """``outputs/<notebook>/<run_name>/``, created if missing."""
-    if not run_name or "/" in run_name or run_name.startswith("."):
-        raise ValueError(f"run_name must be a plain folder name, got {run_name!r}")
+    """``outputs/<notebook>/<run_name>/``, created if missing.  A sweep nests its runs one level
+    down (``<sweep>/<job>``); every part must be a plain folder name."""
+    parts = run_name.split("/") if run_name else [""]
+    if len(parts) > 2 or any(not p or p.startswith(".") or "\\" in p for p in parts):
+        raise ValueError(f"run_name must be a plain folder name (or sweep/job), got {run_name!r}")
     path = outputs_root() / notebook / run_name
     path.mkdir(parents=True, exist_ok=True)
     return path

@@ -55,6 +55,13 @@ class Tracker:
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=int(step))
 
+    def rewind(self, step: int) -> None:
+        """Forget rows logged after ``step`` (a run resumed from an earlier checkpoint logs them again)."""
+        kept = [row for row in self.rows if row["step"] <= step]
+        if len(kept) != len(self.rows):
+            self.rows = kept
+            self.jsonl.write_text("".join(json.dumps(row) + "\n" for row in kept))
+
     def summary(self, metrics: dict[str, Any]) -> None:
         """Final numbers of the run, to ``summary.json`` (and the W&B run summary)."""
         save_json(self.run_path / "summary.json", metrics)

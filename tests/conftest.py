@@ -1,6 +1,10 @@
 import pytest
 import torch
 
+# One torch thread: tests share 2 cores with ManiSkill workers and nbval kernels, and two threads
+# under contention made small steps 25x slower on the CI machine.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _default_dtype_is_not_leaked():

@@ -98,7 +98,7 @@ def test_missing_or_foreign_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match="notebook 01"):
         bc.load_policy(tmp_path / "missing.pt")
     torch.save({"weights": 1}, tmp_path / "other.pt")
-    with pytest.raises(ValueError, match="not a flowlib ShortCut-BC checkpoint"):
+    with pytest.raises(ValueError, match="not a flowlib flow-policy checkpoint"):
         bc.load_policy(tmp_path / "other.pt")
 
 
@@ -138,3 +138,17 @@ def test_policy_rolls_in_a_real_pickcube_env(tmp_path):
         result = bc.evaluate(policy, env, num_episodes=1, num_inference_steps=2, seed=0)
     assert set(result) >= {"success_once", "success_at_end", "return", "env_steps_per_s"}
     assert result["episodes"] == 1 and 0 <= result["success_at_end"] <= result["success_once"] <= 1
+
+
+def test_noisy_rollouts_are_recorded_as_episodes(tmp_path):
+    policy, _ = bc.train(tiny_cfg(train_steps=2), ChunkDataset(random_episodes(), 2, 16), tmp_path)
+    with make_env("PickCube-v1", 2, max_episode_steps=10) as env:
+        quiet = bc.evaluate(policy, env, 3, 2, seed=0, record=True)
+        noisy = bc.evaluate(policy, env, 3, 2, seed=0, action_noise_std=0.5, record=True)
+    assert len(quiet["rollouts"]) == 3  # the fourth env of the second batch is dropped
+    assert [ep.seed for ep in quiet["rollouts"]] == [0, 1, 2]
+    ep, ep_noisy = quiet["rollouts"][0], noisy["rollouts"][0]
+    assert ep.obs.shape == (11, OBS_DIM) and ep.actions.shape == (10, ACT_DIM) and ep.rewards.shape == (10,)
+    assert ep.truncated.tolist() == [False] * 9 + [True] and (ep.terminated == ep.success).all()
+    assert np.abs(ep_noisy.actions).max() <= 1 and not np.allclose(ep.actions, ep_noisy.actions)
+    assert np.allclose(ep.obs[0], ep_noisy.obs[0])  # same env seeds

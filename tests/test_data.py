@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from flowlib.data import ChunkDataset, Episode, Normalizer, load_demos
+from flowlib.data import ChunkDataset, Episode, Normalizer, check_held_out, load_demos
 
 
 def episode(T: int, obs_dim: int = 3, action_dim: int = 4, offset: float = 0.0) -> Episode:
@@ -74,7 +74,8 @@ def write_demo_file(path, control_mode="pd_ee_delta_pos", with_rewards=True):
         if with_rewards:
             g["rewards"] = ep.rewards
     path.with_suffix(".json").write_text(json.dumps(
-        {"env_info": {"env_id": "PickCube-v1", "env_kwargs": {"obs_mode": "state", "control_mode": control_mode}}}))
+        {"env_info": {"env_id": "PickCube-v1", "env_kwargs": {"obs_mode": "state", "control_mode": control_mode}},
+         "episodes": [{"episode_id": 0, "episode_seed": 7}]}))
     return path
 
 
@@ -82,6 +83,7 @@ def test_load_demos_reads_a_maniskill_file(tmp_path):
     eps = load_demos(write_demo_file(tmp_path / "d.h5"))
     assert len(eps) == 1 and eps[0].obs.shape == (7, 3) and eps[0].actions.shape == (6, 4)
     assert eps[0].sparse_rewards.tolist() == [0, 0, 0, 0, 0, 1]
+    assert eps[0].seed == 7  # ManiSkill's episode_seed, so evaluations can avoid it
 
 
 def test_missing_demo_file_says_how_to_get_one(tmp_path):
@@ -98,3 +100,12 @@ def test_demo_file_of_another_control_mode_is_rejected_with_the_fix(tmp_path):
 def test_demo_file_without_rewards_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="record-rewards"):
         load_demos(write_demo_file(tmp_path / "d.h5", with_rewards=False))
+
+
+def test_evaluation_seeds_that_started_training_episodes_are_rejected():
+    demos = [Episode(**{**episode(4).__dict__, "seed": s}) for s in (0, 1, 2, 51)]
+    check_held_out("eval_seed", 10_000, 50, demos)  # disjoint: fine
+    check_held_out("eval_seed", 3, 48, demos)  # seeds 3..50 miss 0, 1, 2 and 51
+    with pytest.raises(ValueError, match=r"eval_seed=0 .*memorisation.*eval_seed to a seed >= 52"):
+        check_held_out("eval_seed", 0, 50, demos)
+    check_held_out("eval_seed", 0, 50, [episode(4)])  # unknown seeds cannot be checked

@@ -26,8 +26,10 @@ def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path):
 def test_run_dir_lives_under_the_outputs_root(tmp_path, monkeypatch):
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path))
     assert run_dir("00_flows_2d", "r1") == tmp_path / "00_flows_2d" / "r1"
-    with pytest.raises(ValueError, match="plain folder name"):
-        run_dir("00_flows_2d", "../escape")
+    assert run_dir("03_reinflow", "sweep/job_seed0") == tmp_path / "03_reinflow" / "sweep" / "job_seed0"
+    for bad in ("../escape", "a/b/c", "sweep/", ".hidden"):
+        with pytest.raises(ValueError, match="plain folder name"):
+            run_dir("00_flows_2d", bad)
 
 
 def test_tracker_writes_jsonl_csv_and_summary_and_resumes(tmp_path):
@@ -61,3 +63,14 @@ def test_tracker_rejects_unknown_wandb_mode(tmp_path):
 def test_save_json_handles_tensors(tmp_path):
     save_json(tmp_path / "m.json", {"x": torch.tensor(1.5), "v": torch.arange(2)})
     assert json.loads((tmp_path / "m.json").read_text()) == {"x": 1.5, "v": [0, 1]}
+
+
+def test_tracker_rewind_drops_rows_a_resumed_run_will_log_again(tmp_path):
+    tracker = Tracker(tmp_path)
+    for step in (10, 20, 30):
+        tracker.log({"loss": 1.0 / step}, step)
+    resumed = Tracker(tmp_path, resume=True)
+    resumed.rewind(20)
+    resumed.log({"loss": 0.0}, 30)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [10, 20, 30] and [r["step"] for r in resumed.rows] == [10, 20, 30]

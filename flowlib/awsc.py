@@ -1,0 +1,197 @@
+"""Stage 2: AW-ShortCut Flow, offline RL by advantage-weighted ShortCut BC.
+
+Recipe (notebook 02):
+
+1. Data with contrast: the motion-planned demos plus rollouts of the stage-1 policy in the
+   simulator, with and without exploration noise (``collect_rollouts``; cached under
+   ``outputs/data/<env>/`` in ManiSkill's trajectory format).  Every episode is cut after its
+   first success, which is terminal (``flowlib.critic.truncate_at_success``).
+2. A chunk-level critic on the SMDP transitions of that data (``flowlib.critic``: IQL by default,
+   Monte Carlo for comparison), trained on a split of the episodes; held-out episodes measure it.
+3. AWR weights ``w = min(exp(beta A), w_max)`` per (observation window, action chunk) and the
+   stage-1 policy fine-tuned with the weighted ShortCut loss (``flowlib.bc.train`` with ``weights``).
+
+The weight multiplies the whole per-sample ShortCut loss: the flow-matching term at ``d_min`` and
+the self-consistency term alike.  The weighted objective is then the ShortCut loss under the
+re-weighted data distribution ``pi*(a|s) ~ pi_data(a|s) exp(beta A(s, a))`` (AWR, Peng et al. 2019,
+Eq. 7), and both terms must describe that same distribution: weighting only the flow term would
+leave the large-step shortcuts distilling a mixture of the old and new flows, so 1-step and 8-step
+sampling would drift apart.
+
+Checkpoints are stage-1 checkpoints (``flowlib.bc``) with format ``flowlib.aw_shortcut/1`` and the
+critic added; ``load_from_aw_shortcut_flow`` returns both for stage 3.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import bc
+from .config import require
+from .critic import ChunkCritic, ChunkTransitions, critic_from_state
+from .data import Episode, demo_dir, load_demos, save_episodes
+from .runs import outputs_root
+
+
+ROLLOUT_SEED = 1_000_000  # env seeds of the stage-1 rollouts start here (demos from 0, evaluations 10_000+)
+
+
+@dataclass
+class AWShortCutConfig:
+    """Parameters of notebook 02 (AW-ShortCut). Defaults are the small CPU run."""
+
+    seed: int = 0
+    stage1_checkpoint: str = ""         # relative to outputs/; "" = 01_shortcut_bc/default/best_model.pt
+    env_id: str = "PickCube-v1"
+    num_demos: int = 20
+    demo_file: str = ""
+    # data with contrast: stage-1 rollouts per exploration-noise level (std of N(0, s^2) on actions in [-1, 1])
+    rollout_episodes: int = 6
+    rollout_noise_stds: list[float] = field(default_factory=lambda: [0.0, 0.3])
+    rollout_inference_steps: int = 4
+    # critic
+    critic: str = "iql"                 # "iql" or "mc"
+    reward: str = "sparse"              # "sparse" (success) or "dense" (normalized_dense)
+    gamma: float = 0.99
+    expectile: float = 0.7
+    target_polyak: float = 0.005
+    critic_hidden_dims: list[int] = field(default_factory=lambda: [128, 128])
+    critic_lr: float = 3e-4
+    critic_steps: int = 1000
+    critic_batch_size: int = 256
+    holdout_fraction: float = 0.25
+    # advantage weights
+    beta: float = 5.0
+    max_weight: float = 20.0
+    weighting: str = "exp"              # "exp" (clipped) or "softmax" (per batch of the whole dataset)
+    # AW-ShortCut training (one run per training seed)
+    train_seeds: list[int] = field(default_factory=lambda: [0])
+    train_steps: int = 200
+    batch_size: int = 128
+    lr: float = 3e-4
+    weight_decay: float = 1e-6
+    warmup_steps: int = 20
+    ckpt_every: int = 100
+    log_every: int = 25
+    eval_every: int = 0
+    select_inference_steps: int = 4
+    eval_inference_steps: list[int] = field(default_factory=lambda: [4])
+    num_eval_episodes: int = 4
+    val_seed: int = 10_000              # periodic evaluations (best_model.pt); as in notebook 01
+    eval_seed: int = 20_000             # the stage-1 vs stage-2 comparison; held out from demos and rollouts
+    num_envs: int = 2
+    max_episode_steps: int = 100
+    backend: str = "auto"
+    num_threads: int = 1
+    resume: bool = True
+    run_name: str = "default"
+    wandb_mode: str = "disabled"
+
+    def __post_init__(self):
+        require([
+            (self.critic in ("iql", "mc"), f"critic must be 'iql' or 'mc', got {self.critic!r}"),
+            (self.reward in ("sparse", "dense"), f"reward must be 'sparse' or 'dense', got {self.reward!r}"),
+            (self.weighting in ("exp", "softmax"), f"weighting must be 'exp' or 'softmax', got {self.weighting!r}"),
+            (0 < self.expectile < 1, f"expectile must be in (0, 1), got {self.expectile}"),
+            (0 < self.gamma <= 1, f"gamma must be in (0, 1], got {self.gamma}"),
+            (self.beta > 0 and self.max_weight > 0, "beta and max_weight must be > 0"),
+            (0 <= self.holdout_fraction < 1, f"holdout_fraction must be in [0, 1), got {self.holdout_fraction}"),
+            (len(self.train_seeds) > 0, "train_seeds must list at least one seed"),
+            (all(s >= 0 for s in self.rollout_noise_stds), "rollout_noise_stds must be >= 0"),
+            (0 < self.rollout_episodes <= 100_000, "rollout_episodes must be in [1, 100000] (seed blocks of 100000)"),
+        ])
+
+
+def stage1_checkpoint_path(cfg: AWShortCutConfig) -> Path:
+    """``stage1_checkpoint``: absolute, or relative to the outputs root (``01_shortcut_bc/cpu/best_model.pt``);
+    empty means notebook 01's default run."""
+    path = Path(cfg.stage1_checkpoint or "01_shortcut_bc/default/best_model.pt")
+    if not path.is_absolute():
+        path = outputs_root() / path
+    if not path.is_file():
+        raise FileNotFoundError(f"stage-1 checkpoint {path} not found: run notebook 01 first "
+                                "(python -m flowlib.run 01_shortcut_bc) or set stage1_checkpoint to a best_model.pt")
+    return path
+
+
+def check_data_fits(meta: dict[str, Any], episodes: list[Episode], env_id: str) -> None:
+    """The stage-1 policy, the data and the env must agree on task and dimensions."""
+    if meta["env_id"] != env_id:
+        raise ValueError(f"the stage-1 checkpoint was trained on {meta['env_id']}, this run is for {env_id}: "
+                         f"set env_id={meta['env_id']!r} or point stage1_checkpoint at a {env_id} policy")
+    obs_dim, action_dim = episodes[0].obs.shape[-1], episodes[0].actions.shape[-1]
+    if (obs_dim, action_dim) != (meta["obs_dim"], meta["action_dim"]):
+        raise ValueError(f"data has obs_dim={obs_dim}, action_dim={action_dim} but the stage-1 policy expects "
+                         f"{meta['obs_dim']}, {meta['action_dim']}: use demos of the same env and control mode")
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha1(path.read_bytes()).hexdigest()[:10]
+
+
+def collect_rollouts(policy: bc.FlowPolicy, env, cfg: AWShortCutConfig, stage1_path: Path) -> tuple[list[Episode], list[dict]]:
+    """Stage-1 rollouts at each exploration-noise level, cached per (checkpoint, settings).
+
+    Noise level ``j`` uses env seeds ``ROLLOUT_SEED + 100_000 j + i`` (never the evaluation seeds).
+    Returns the episodes (full length, as recorded) and one summary row per noise level.
+    """
+    episodes, rows = [], []
+    for j, std in enumerate(cfg.rollout_noise_stds):
+        seed = ROLLOUT_SEED + 100_000 * j
+        tag = (f"rollouts_{_file_digest(stage1_path)}_K{cfg.rollout_inference_steps}_std{std:g}_seed{seed}"
+               f"_n{cfg.rollout_episodes}_T{env.max_episode_steps}")
+        path = demo_dir(cfg.env_id) / f"{tag}.state.{env.spec.control_mode}.h5"
+        if path.exists():
+            eps = load_demos(path)
+        else:
+            result = bc.evaluate(policy, env, cfg.rollout_episodes, cfg.rollout_inference_steps,
+                                 seed=seed, action_noise_std=std, record=True)
+            eps = result["rollouts"]
+            save_episodes(path, eps, cfg.env_id, env.spec.control_mode, source=f"stage-1 rollouts of {stage1_path}")
+        episodes += eps
+        rows.append({"noise_std": std, "episodes": len(eps), "success_once": float(np.mean([e.success.any() for e in eps])),
+                     "file": path.name})
+    return episodes, rows
+
+
+@torch.no_grad()
+def advantages(critic: ChunkCritic, data: ChunkTransitions, batch_size: int = 4096) -> torch.Tensor:
+    """``A(s, a_chunk)`` for every transition, in batches: ``[N]``."""
+    out = []
+    for i in range(0, len(data), batch_size):
+        sl = slice(i, i + batch_size)
+        out.append(critic.advantage(data.obs[sl], data.actions[sl], mc_return=data.mc_return[sl]))
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def values(critic: ChunkCritic, obs: torch.Tensor, batch_size: int = 4096) -> torch.Tensor:
+    return torch.cat([critic.value(obs[i:i + batch_size]) for i in range(0, len(obs), batch_size)])
+
+
+def load_from_aw_shortcut_flow(path: str | Path, spec=None) -> tuple[bc.FlowPolicy, ChunkCritic | None]:
+    """Stage-2 policy and its critic (``None`` for a stage-1 checkpoint), e.g. to start stage 3.
+
+    With an env ``spec`` the policy is checked against it (env id, dims, control mode).
+    """
+    ckpt = bc.read_checkpoint(path)
+    policy = bc.load_policy(path, spec)
+    critic = critic_from_state(ckpt["critic"]) if "critic" in ckpt else None
+    return policy, critic
+
+
+def holdout_mask(sources: list[str], fraction: float, seed: int = 0) -> np.ndarray:
+    """Boolean mask over episodes: ``fraction`` of each source (demos, each rollout kind) held out."""
+    rng = np.random.default_rng(seed)
+    sources = np.asarray(sources)
+    mask = np.zeros(len(sources), dtype=bool)
+    for src in np.unique(sources):
+        idx = np.flatnonzero(sources == src)
+        k = int(round(fraction * len(idx)))
+        mask[rng.choice(idx, size=k, replace=False)] = True
+    return mask

@@ -1,0 +1,720 @@
+"""ReinFlow (Zhang et al. 2025): PPO fine-tuning of a flow policy through its denoising chain.
+
+The denoising MDP
+-----------------
+With ``K`` fixed steps on the one grid ``t_k = k / K`` (``flowlib.flows.time_grid``), the
+deterministic sampler ``x_{k+1} = x_k + v(x_k, t_k) dt`` becomes a Markov chain by adding
+learned Gaussian noise at every step (ReinFlow, Eq. 4)::
+
+    x_{k+1} = x_k + v_theta(x_k, t_k | o) dt + sigma_theta(t_k, o) eps_k,     eps_k ~ N(0, I)
+
+so ``pi(x_{k+1} | x_k, o) = N(x_k + v dt, sigma_k^2 I)``.  The chain ``x_0 .. x_K`` is kept and
+the log-likelihood of the executed chunk is the sum of the transition log-densities (Eq. 5)::
+
+    log pi(x_{0:K} | o) = log N(x_0; 0, I) [optional]  +  sum_k log N(x_{k+1}; x_k + v_k dt, sigma_k^2 I)
+
+which is exact (no ODE likelihood).  ``sigma`` comes from ``ExploreNoiseNet`` and is squashed into
+``[min_noise_std, max_noise_std]``; ``max_noise_std`` decays on a schedule.  Evaluation drops the
+noise: the deterministic chain.
+
+Chunks as a semi-MDP
+--------------------
+One decision executes ``act_horizon`` actions.  It earns ``R = sum_{k<tau} gamma^k r_{t+k}`` and
+bootstraps with ``gamma^tau`` (``tau < act_horizon`` when the episode ends inside the chunk).  A
+termination stops the bootstrap; a truncation (time limit) bootstraps from ``V`` of the last
+observation.  GAE runs over decisions with per-decision discount ``gamma^tau``.
+
+Everything here acts on normalised actions (the flow's space, roughly ``[-1, 1]``); the policy's
+normalisers map to and from the env.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+from tqdm import tqdm
+
+from . import bc
+from .config import require
+from .flows import time_grid
+from .nets import SinusoidalEmbedding, mlp
+from .runs import outputs_root, save_torch
+
+LOG_2PI = math.log(2 * math.pi)
+
+
+# --------------------------------------------------------------------------- noise
+
+
+class ExploreNoiseNet(nn.Module):
+    """``(t_k, obs window) -> noise_std [B, A]`` in ``[min_noise_std, max_noise_std]`` (ReinFlow, Sec. 4.2).
+
+    ``min + (max - min) * sigmoid(mlp([emb(t), obs]))``: bounded below so the chain stays
+    stochastic (log-probs stay finite), above so exploration stays near the data.  ``max_noise_std``
+    is a buffer that the noise schedule lowers during training.
+    """
+
+    def __init__(self, obs_in: int, action_dim: int, min_noise_std: float = 0.01, max_noise_std: float = 0.3,
+                 hidden: int = 128, emb_dim: int = 32):
+        super().__init__()
+        if not 0 < min_noise_std <= max_noise_std:
+            raise ValueError(f"need 0 < min_noise_std <= max_noise_std, got {min_noise_std}, {max_noise_std}")
+        self.t_emb = SinusoidalEmbedding(emb_dim, scale=100.0)
+        self.body = mlp([emb_dim + obs_in, hidden, hidden, action_dim], act=nn.Mish)
+        self.min_noise_std = min_noise_std
+        self.register_buffer("max_noise_std", torch.tensor(float(max_noise_std)))
+
+    def forward(self, t: torch.Tensor, obs_flat: torch.Tensor) -> torch.Tensor:  # [B], [B, To*O] -> [B, A]
+        z = self.body(torch.cat([self.t_emb(t), obs_flat], -1))
+        lo = self.min_noise_std
+        hi = torch.clamp(self.max_noise_std, min=lo)
+        return lo + (hi - lo) * torch.sigmoid(z)
+
+
+class NoisyVelocityUNet1D(nn.Module):
+    """The base velocity net plus the noise net: ``(x, t, d, obs) -> (velocity, noise, noise_std)``.
+
+    ``velocity [B, H, A]``, ``noise_std [B, A]`` and ``noise = noise_std * eps [B, H, A]`` (the
+    per-dimension std is shared across the chunk's ``H`` steps; ``eps`` from ``generator``).
+    """
+
+    def __init__(self, base: nn.Module, noise_net: ExploreNoiseNet):
+        super().__init__()
+        self.base, self.noise_net = base, noise_net
+
+    def forward(self, x, t, d, obs, generator: torch.Generator | None = None):
+        velocity = self.base(x, t, d, obs)                                   # [B, H, A]
+        noise_std = self.noise_net(t, obs.flatten(1))                          # [B, A]
+        eps = torch.randn(x.shape, generator=generator).to(x.device)
+        return velocity, noise_std[:, None, :] * eps, noise_std
+
+
+def noise_schedule(kind: str, progress: float, init: float, final: float) -> float:
+    """``max_noise_std`` at training ``progress`` in [0, 1] (ReinFlow's decaying exploration).
+
+    constant: ``init``; linear: ``init + (final - init) p``; exp: ``final + (init - final) exp(-3p)``.
+    """
+    p = min(max(progress, 0.0), 1.0)
+    if kind == "constant":
+        return init
+    if kind == "linear":
+        return init + (final - init) * p
+    if kind == "exp":
+        return final + (init - final) * math.exp(-3.0 * p)
+    raise ValueError(f"noise schedule must be 'constant', 'linear' or 'exp', got {kind!r}")
+
+
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """``sum log N(x; mean, std^2)`` over every non-batch dim: ``[B, ...] -> [B]``."""
+    z = (x - mean) / std
+    return (-0.5 * z.pow(2) - torch.log(std) - 0.5 * LOG_2PI).flatten(1).sum(1)
+
+
+# --------------------------------------------------------------------------- agent
+
+
+class ReinFlowAgent(nn.Module):
+    """Flow policy (a stage-1/2 ``FlowPolicy``) + ``ExploreNoiseNet`` + value net ``V(o)``.
+
+    ``sample`` runs the noisy chain and returns it (``[B, K+1, H, A]``, normalised) with its
+    log-prob; ``log_prob`` re-scores stored chains under the current weights, on the same grid;
+    ``act`` is the deterministic chain, in env units.  The flow net trained here is the policy's
+    live net, initialised from its EMA weights.
+    """
+
+    def __init__(self, policy, num_inference_steps: int = 8, min_noise_std: float = 0.01,
+                 max_noise_std: float = 0.3, value_hidden_dims: tuple[int, ...] = (256, 256),
+                 include_initial_noise: bool = False, noise_hidden: int = 128):
+        super().__init__()
+        meta = policy.meta
+        flow = policy.flow
+        flow.jump(1.0 / num_inference_steps)  # rejects K beyond what the ShortCut net was trained for
+        if flow.ema is not None:
+            flow.net.load_state_dict(flow.ema.module.state_dict())
+        self.meta, self.K = meta, num_inference_steps
+        self.obs_normalizer, self.action_normalizer = policy.obs_normalizer, policy.action_normalizer
+        self.obs_horizon, self.pred_horizon, self.act_horizon = meta["obs_horizon"], meta["pred_horizon"], meta["act_horizon"]
+        self.action_dim, self.obs_dim = meta["action_dim"], meta["obs_dim"]
+        obs_in = self.obs_horizon * self.obs_dim
+        self.d = flow.jump(1.0 / num_inference_steps)
+        self.actor = NoisyVelocityUNet1D(flow.net, ExploreNoiseNet(obs_in, self.action_dim, min_noise_std,
+                                                                   max_noise_std, hidden=noise_hidden))
+        self.value_net = mlp([obs_in, *value_hidden_dims, 1], act=nn.Mish)
+        self.include_initial_noise = include_initial_noise
+
+    # parameter groups
+    def policy_parameters(self):
+        return list(self.actor.parameters())
+
+    def value_parameters(self):
+        return list(self.value_net.parameters())
+
+    def set_max_noise_std(self, value: float) -> None:
+        self.actor.noise_net.max_noise_std.fill_(value)
+
+    def _norm_obs(self, obs_window: torch.Tensor) -> torch.Tensor:  # raw [B, To, O] -> normalised
+        if obs_window.shape[1:] != (self.obs_horizon, self.obs_dim):
+            raise ValueError(f"obs window must be [B, {self.obs_horizon}, {self.obs_dim}], got {tuple(obs_window.shape)}")
+        return self.obs_normalizer.normalize(obs_window)
+
+    def value(self, obs_window: torch.Tensor) -> torch.Tensor:  # [B, To, O] -> [B]
+        return self.value_net(self._norm_obs(obs_window).flatten(1)).squeeze(-1)
+
+    def _grid(self, B: int, device):
+        grid = time_grid(self.K, device)  # the one grid, for sampling and re-scoring alike
+        d = torch.full((B,), self.d, device=device)
+        return grid, d
+
+    @torch.no_grad()
+    def sample(self, obs_window: torch.Tensor, generator: torch.Generator | None = None, deterministic: bool = False):
+        """Run the chain from ``x_0 ~ N(0, I)``.  Returns ``chain [B, K+1, H, A]`` and ``log_prob [B]``."""
+        o = self._norm_obs(obs_window)
+        B, device = o.shape[0], o.device
+        x = torch.randn(B, self.pred_horizon, self.action_dim, generator=generator).to(device)
+        grid, d = self._grid(B, device)
+        chain = [x]
+        log_prob = gaussian_log_prob(x, torch.zeros_like(x), torch.ones_like(x)) if self.include_initial_noise \
+            else torch.zeros(B, device=device)
+        for k in range(self.K):
+            t = grid[k].expand(B)
+            velocity, noise, noise_std = self.actor(x, t, d, o, generator)
+            mean = x + velocity / self.K
+            x = mean if deterministic else mean + noise
+            if not deterministic:
+                log_prob = log_prob + gaussian_log_prob(x, mean, noise_std[:, None, :].expand_as(x))
+            chain.append(x)
+        return torch.stack(chain, 1), log_prob
+
+    def log_prob(self, obs_window: torch.Tensor, chain: torch.Tensor):
+        """Log-prob of stored chains ``[B, K+1, H, A]`` and the mean per-dim entropy of the noise Gaussians.
+
+        Returns ``(log_prob [B], entropy [B])``; the entropy is ``sum_k sum_dims 0.5 log(2 pi e sigma^2)``
+        divided by the number of noisy dims (so its scale does not grow with ``K``, ``H`` or ``A``).
+        """
+        if chain.shape[1:] != (self.K + 1, self.pred_horizon, self.action_dim):
+            raise ValueError(f"chain must be [B, {self.K + 1}, {self.pred_horizon}, {self.action_dim}], got {tuple(chain.shape)}")
+        o = self._norm_obs(obs_window)
+        B, K = chain.shape[0], self.K
+        grid, d = self._grid(B, chain.device)
+        x = chain[:, :-1].reshape(B * K, self.pred_horizon, self.action_dim)         # x_k, [B*K, H, A]
+        x_next = chain[:, 1:].reshape(B * K, self.pred_horizon, self.action_dim)    # x_{k+1}
+        t = grid[:-1].repeat(B)                                                      # [B*K]
+        o_rep = o.repeat_interleave(K, 0)
+        velocity, _, noise_std = self.actor(x, t, d.repeat_interleave(K), o_rep)
+        std = noise_std[:, None, :].expand_as(x)
+        log_prob = gaussian_log_prob(x_next, x + velocity / K, std).reshape(B, K).sum(1)
+        if self.include_initial_noise:
+            x0 = chain[:, 0]
+            log_prob = log_prob + gaussian_log_prob(x0, torch.zeros_like(x0), torch.ones_like(x0))
+        entropy = (0.5 * (1 + LOG_2PI) + torch.log(noise_std)).reshape(B, -1).mean(1)
+        return log_prob, entropy
+
+    def actions(self, chain: torch.Tensor) -> torch.Tensor:
+        """Executed actions in env units: ``x_K[To-1 : To-1+Ta]`` unnormalised, clipped to [-1, 1]."""
+        start = self.obs_horizon - 1
+        x = chain[:, -1, start:start + self.act_horizon]
+        return self.action_normalizer.unnormalize(x).clamp(-1.0, 1.0)
+
+    @torch.no_grad()
+    def act(self, obs_window: torch.Tensor, num_steps: int | None = None, generator: torch.Generator | None = None):
+        """Deterministic evaluation (``num_steps`` is ignored: the agent's ``K``), ``[B, Ta, A]``.
+
+        Same signature as ``FlowPolicy.act`` so ``flowlib.bc.evaluate`` runs either policy.
+        """
+        chain, _ = self.sample(obs_window, generator, deterministic=True)
+        return self.actions(chain)
+
+
+# --------------------------------------------------------------------------- SMDP buffer and GAE
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor, discounts: torch.Tensor,
+        terminal: torch.Tensor, ends: torch.Tensor, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over chunk decisions (Schulman et al. 2016, Eq. 16, SMDP form).
+
+    All inputs ``[T, N]`` (time-major).  ``rewards``: in-chunk discounted sums ``R``; ``discounts``:
+    ``gamma^tau``; ``next_values``: ``V(s_{t+tau})`` (for a truncated episode, of its last
+    observation); ``terminal``: the episode terminated in this chunk (no bootstrap); ``ends``:
+    the episode ended here (terminated or truncated: the recursion does not cross it).
+
+        delta_t = R_t + gamma^tau_t (1 - terminal_t) V(s_{t+tau}) - V(s_t)
+        A_t     = delta_t + gamma^tau_t lambda (1 - end_t) A_{t+1}
+
+    Returns ``(advantages, returns = advantages + values)``.
+    """
+    T = rewards.shape[0]
+    not_terminal, not_end = 1.0 - terminal.float(), 1.0 - ends.float()
+    deltas = rewards + discounts * not_terminal * next_values - values
+    adv = torch.zeros_like(rewards)
+    last = torch.zeros_like(rewards[0])
+    for t in reversed(range(T)):
+        last = deltas[t] + discounts[t] * lam * not_end[t] * last
+        adv[t] = last
+    return adv, adv + values
+
+
+@dataclass
+class RolloutBuffer:
+    """Chunk-level transitions of one PPO iteration, time-major ``[T, N, ...]``."""
+
+    obs: torch.Tensor           # [T, N, To, O]   raw observation windows
+    chains: torch.Tensor        # [T, N, K+1, H, A]
+    log_probs: torch.Tensor     # [T, N]
+    values: torch.Tensor        # [T, N]
+    rewards: torch.Tensor       # [T, N]  sum_{k<tau} gamma^k r
+    discounts: torch.Tensor     # [T, N]  gamma^tau
+    next_values: torch.Tensor   # [T, N]  V(s_{t+tau})
+    terminal: torch.Tensor      # [T, N]  bool
+    ends: torch.Tensor          # [T, N]  bool (terminated or truncated)
+
+    def flat(self, advantages: torch.Tensor, returns: torch.Tensor) -> dict[str, torch.Tensor]:
+        n = self.rewards.numel()
+        return {"obs": self.obs.reshape(n, *self.obs.shape[2:]), "chains": self.chains.reshape(n, *self.chains.shape[2:]),
+                "log_probs": self.log_probs.reshape(n), "values": self.values.reshape(n),
+                "advantages": advantages.reshape(n), "returns": returns.reshape(n)}
+
+
+def explained_variance(pred: torch.Tensor, target: torch.Tensor) -> float:
+    """``1 - Var[target - pred] / Var[target]`` (1 = perfect, 0 = no better than the mean)."""
+    var = target.var()
+    return float("nan") if var == 0 else float(1 - (target - pred).var() / var)
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass
+class ReinFlowConfig:
+    """Parameters of notebook 03 (ReinFlow). Defaults are the short CPU run; the paper-size baseline
+    (1M env steps, rollout 128, warm-up 5000 ...) is ``params/03_reinflow/baseline.yaml``."""
+
+    seed: int = 0
+    init_checkpoint: str = ""           # stage-1/2 best_model.pt, relative to outputs/; "" = 01_shortcut_bc/default
+    env_id: str = "PickCube-v1"
+    num_envs: int = 2
+    max_episode_steps: int = 100
+    backend: str = "auto"
+    reward: str = "sparse"              # "sparse": 1 on success, which terminates; "dense": normalized_dense
+    # the denoising MDP
+    num_inference_steps: int = 8        # K
+    min_noise_std: float = 0.01
+    max_noise_std: float = 0.3          # initial max; decays by noise_schedule to final_noise_std
+    final_noise_std: float = 0.01
+    noise_schedule: str = "linear"      # constant / linear / exp
+    noise_decay_steps: int = 512        # env steps over which max_noise_std decays
+    include_initial_noise: bool = False
+    # PPO
+    total_env_steps: int = 512
+    rollout_steps: int = 8              # decisions per env per iteration
+    update_epochs: int = 2
+    minibatch_size: int = 16
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
+    clip_coef: float = 0.2
+    value_clip: float = 0.0             # 0: unclipped value loss
+    ent_coef: float = 0.01
+    vf_coef: float = 0.5
+    actor_lr: float = 3e-5
+    critic_lr: float = 1e-4
+    max_grad_norm: float = 1.0
+    target_kl: float = 0.0              # 0: no early stop
+    norm_adv: bool = True
+    critic_warmup_steps: int = 128      # env steps during which only the value net learns
+    value_hidden_dims: list[int] = dataclasses.field(default_factory=lambda: [256, 256])
+    warm_start_value: bool = True       # from a stage-2 checkpoint's V (same inputs), when there is one
+    # evaluation and bookkeeping
+    eval_every: int = 0                 # iterations; 0 = only before and after
+    num_eval_episodes: int = 4
+    eval_seed: int = 20_000
+    train_seed: int = 2_000_000         # env seeds of training episodes start here
+    ckpt_every: int = 1                 # iterations
+    bench_num_envs: list[int] = dataclasses.field(default_factory=lambda: [1, 2])  # throughput table
+    bench_decisions: int = 8            # chunk decisions per throughput measurement
+    num_threads: int = 1
+    resume: bool = True
+    run_name: str = "default"
+    wandb_mode: str = "disabled"
+
+    def __post_init__(self):
+        require([
+            (self.reward in ("sparse", "dense"), f"reward must be 'sparse' or 'dense', got {self.reward!r}"),
+            (self.noise_schedule in ("constant", "linear", "exp"),
+             f"noise_schedule must be 'constant', 'linear' or 'exp', got {self.noise_schedule!r}"),
+            (0 < self.min_noise_std <= min(self.max_noise_std, self.final_noise_std),
+             "need 0 < min_noise_std <= final_noise_std and max_noise_std"),
+            (self.num_inference_steps >= 1, "num_inference_steps must be >= 1"),
+            (self.rollout_steps >= 1 and self.update_epochs >= 1 and self.minibatch_size >= 1,
+             "rollout_steps, update_epochs and minibatch_size must be >= 1"),
+            (0 < self.gamma <= 1 and 0 <= self.gae_lambda <= 1, "need gamma in (0, 1] and gae_lambda in [0, 1]"),
+            (self.clip_coef > 0, "clip_coef must be > 0"),
+            (self.total_env_steps > 0, "total_env_steps must be > 0"),
+        ])
+
+
+# --------------------------------------------------------------------------- rollouts
+
+
+class ChunkRunner:
+    """Steps ``N`` envs one chunk decision at a time and keeps what persists across iterations:
+    the observation windows ``[N, To, O]``, per-episode return / success / length, and the next
+    episode seed.  Episodes end on termination (success, with ``reward="sparse"``) or at the time
+    limit; an ended env is reset alone (``env.reset_some``) with the next training seed.
+    """
+
+    def __init__(self, env, obs_horizon: int, gamma: float, reward: str = "sparse", first_seed: int = 2_000_000):
+        self.env, self.obs_horizon, self.gamma, self.reward = env, obs_horizon, gamma, reward
+        N = env.num_envs
+        self.next_seed = first_seed + N
+        obs = env.reset(seed=first_seed)
+        self.window = obs[:, None].repeat(1, obs_horizon, 1)  # [N, To, O]
+        self.ep_return = torch.zeros(N)
+        self.ep_success = torch.zeros(N, dtype=torch.bool)
+        self.ep_length = torch.zeros(N, dtype=torch.long)
+        self.finished: list[dict] = []  # episodes ended since the last ``pop_finished``
+        self.env_steps = 0  # simulator steps, summed over envs
+
+    def restart(self) -> None:
+        """Reset every env with fresh seeds (after an evaluation used them); episodes in flight are dropped."""
+        N = self.env.num_envs
+        obs = self.env.reset(seed=self.next_seed).cpu()
+        self.next_seed += N
+        self.window = obs[:, None].repeat(1, self.obs_horizon, 1)
+        self.ep_return.zero_(), self.ep_success.zero_(), self.ep_length.zero_()
+
+    def step_chunk(self, actions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Execute ``actions [N, Ta, A]``; returns the SMDP pieces of this decision per env.
+
+        ``reward`` = sum_{k<tau} gamma^k r, ``discount`` = gamma^tau, ``terminal``, ``end``, and
+        ``next_window``: the window after the chunk (for an ended env: its last one, for bootstrapping).
+        Envs that ended are then reset; ``self.window`` holds the windows of the next decision.
+        """
+        N, Ta = actions.shape[:2]
+        reward, discount = torch.zeros(N), torch.ones(N)
+        alive, terminal = torch.ones(N, dtype=torch.bool), torch.zeros(N, dtype=torch.bool)
+        window = self.window.clone()
+        for k in range(Ta):
+            obs, r, term, trunc, success = (x.cpu() for x in self.env.step(actions[:, k].to(self.env.device)))
+            r = success.float() if self.reward == "sparse" else r
+            term = success if self.reward == "sparse" else term
+            reward += alive * discount * r
+            self.ep_return += alive * r
+            self.ep_success |= alive & success
+            self.ep_length += alive.long()
+            discount = torch.where(alive, discount * self.gamma, discount)
+            window = torch.where(alive[:, None, None], torch.cat([window[:, 1:], obs[:, None]], 1), window)
+            ended = alive & (term | trunc)
+            terminal |= alive & term
+            alive &= ~ended
+            self.env_steps += N  # simulator steps (an env that ended mid-chunk idles to the chunk's end)
+        end = ~alive
+        out = {"reward": reward, "discount": discount, "terminal": terminal, "end": end, "next_window": window}
+        self.window = window.clone()
+        if end.any():
+            for i in torch.nonzero(end).squeeze(1).tolist():
+                self.finished.append({"return": float(self.ep_return[i]), "success_once": bool(self.ep_success[i]),
+                                      "length": int(self.ep_length[i])})
+            seeds = [0] * N
+            for i in torch.nonzero(end).squeeze(1).tolist():
+                seeds[i], self.next_seed = self.next_seed, self.next_seed + 1
+            obs = self.env.reset_some(end, seeds).cpu()
+            self.window[end] = obs[end][:, None].repeat(1, self.obs_horizon, 1)
+            self.ep_return[end], self.ep_success[end], self.ep_length[end] = 0.0, False, 0
+        return out
+
+    def pop_finished(self) -> list[dict]:
+        done, self.finished = self.finished, []
+        return done
+
+
+@torch.no_grad()
+def collect(agent: ReinFlowAgent, runner: ChunkRunner, num_decisions: int,
+            generator: torch.Generator | None = None) -> RolloutBuffer:
+    """``num_decisions`` chunk decisions of every env with the noisy chain (ReinFlow Alg. 1, rollout)."""
+    device = next(agent.parameters()).device
+    rows = []
+    for _ in range(num_decisions):
+        window = runner.window.to(device)
+        chain, log_prob = agent.sample(window, generator)
+        value = agent.value(window)
+        out = runner.step_chunk(agent.actions(chain).cpu())
+        next_value = agent.value(out["next_window"].to(device))
+        rows.append({"obs": window.cpu(), "chains": chain.cpu(), "log_probs": log_prob.cpu(), "values": value.cpu(),
+                     "rewards": out["reward"], "discounts": out["discount"], "next_values": next_value.cpu(),
+                     "terminal": out["terminal"], "ends": out["end"]})
+    return RolloutBuffer(**{k: torch.stack([r[k] for r in rows]) for k in rows[0]})
+
+
+# --------------------------------------------------------------------------- PPO
+
+
+def ppo_update(agent: ReinFlowAgent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg: ReinFlowConfig,
+               train_policy: bool = True, generator: torch.Generator | None = None) -> dict[str, float]:
+    """Clipped-surrogate PPO over the chain log-probs (Schulman et al. 2017, Eq. 7; ReinFlow Eq. 6).
+
+    ``L = -min(rho A, clip(rho, 1 +- eps) A) + c_v (V - G)^2 - c_H H[noise]``, ``rho = exp(log pi - log pi_old)``.
+    Before the first optimiser step the stored and re-scored log-probs are the same computation
+    on the same grid, so ``rho`` must be 1: checked on the first minibatch, every update.  With
+    ``train_policy=False`` (critic warm-up) only the value loss is optimised.
+    """
+    device = next(agent.parameters()).device
+    batch = {k: v.to(device) for k, v in batch.items()}
+    n = len(batch["returns"])
+    adv_all = batch["advantages"]
+    if cfg.norm_adv and n > 1:
+        adv_all = (adv_all - adv_all.mean()) / (adv_all.std() + 1e-8)
+    stats: dict[str, list[float]] = {k: [] for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac")}
+    first, stopped_early = True, False
+    for epoch in range(cfg.update_epochs):
+        perm = torch.randperm(n, generator=generator).to(device)
+        for start in range(0, n, cfg.minibatch_size):
+            idx = perm[start:start + cfg.minibatch_size]
+            value = agent.value(batch["obs"][idx])
+            if cfg.value_clip > 0:
+                clipped = batch["values"][idx] + (value - batch["values"][idx]).clamp(-cfg.value_clip, cfg.value_clip)
+                value_loss = 0.5 * torch.max((value - batch["returns"][idx]) ** 2,
+                                             (clipped - batch["returns"][idx]) ** 2).mean()
+            else:
+                value_loss = 0.5 * ((value - batch["returns"][idx]) ** 2).mean()
+            if train_policy:
+                log_prob, entropy = agent.log_prob(batch["obs"][idx], batch["chains"][idx])
+                log_ratio = log_prob - batch["log_probs"][idx]
+                ratio = log_ratio.exp()
+                if first:
+                    err = (ratio - 1).abs().max().item()
+                    if err > 1e-3:
+                        raise RuntimeError(f"PPO ratio is {1 + err:.4g}, not 1, before any update: sampling and "
+                                           "re-scoring disagree (time grid, noise or normalisation differ)")
+                    first = False
+                adv = adv_all[idx]
+                policy_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef)).mean()
+                entropy_mean = entropy.mean()
+                with torch.no_grad():
+                    approx_kl = ((ratio - 1) - log_ratio).mean().item()  # Schulman's k3 estimator
+                    clip_frac = ((ratio - 1).abs() > cfg.clip_coef).float().mean().item()
+                loss = policy_loss - cfg.ent_coef * entropy_mean + cfg.vf_coef * value_loss
+                stats["policy_loss"].append(policy_loss.item())
+                stats["entropy"].append(entropy_mean.item())
+                stats["approx_kl"].append(approx_kl)
+                stats["clip_frac"].append(clip_frac)
+            else:
+                loss = cfg.vf_coef * value_loss
+            stats["value_loss"].append(value_loss.item())
+            actor_opt.zero_grad(set_to_none=True)
+            critic_opt.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(agent.value_parameters(), cfg.max_grad_norm)
+            critic_opt.step()
+            if train_policy:
+                nn.utils.clip_grad_norm_(agent.policy_parameters(), cfg.max_grad_norm)
+                actor_opt.step()
+            if train_policy and cfg.target_kl and stats["approx_kl"][-1] > cfg.target_kl:
+                stopped_early = True
+                break
+        if stopped_early:
+            break
+    out = {k: float(sum(v) / len(v)) for k, v in stats.items() if v}
+    out["epochs"] = epoch + 1
+    out["kl_early_stop"] = float(stopped_early)
+    return out
+
+
+# --------------------------------------------------------------------------- building, checkpoints, training
+
+CHECKPOINT_FORMAT = "flowlib.reinflow/1"
+
+
+def init_checkpoint_path(cfg: ReinFlowConfig) -> Path:
+    """``init_checkpoint``: absolute, or relative to the outputs root; "" = notebook 01's default run."""
+    path = Path(cfg.init_checkpoint or "01_shortcut_bc/default/best_model.pt")
+    if not path.is_absolute():
+        path = outputs_root() / path
+    if not path.is_file():
+        raise FileNotFoundError(f"initial checkpoint {path} not found: run notebook 01 (or 02) first "
+                                "(python -m flowlib.run 01_shortcut_bc) or set init_checkpoint to a best_model.pt")
+    return path
+
+
+def build_agent(cfg: ReinFlowConfig, path: Path, spec=None) -> tuple[ReinFlowAgent, str]:
+    """Agent from a stage-1 or stage-2 checkpoint; with a stage-2 critic of the same value-net shape
+    and ``warm_start_value``, ``V`` starts from the critic's.  Returns the agent and how V started."""
+    from .awsc import load_from_aw_shortcut_flow  # stage 2 imports bc; keep the import graph one-way
+
+    policy, critic = load_from_aw_shortcut_flow(path, spec)
+    agent = ReinFlowAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
+                          tuple(cfg.value_hidden_dims), cfg.include_initial_noise)
+    how = "fresh"
+    if cfg.warm_start_value and critic is not None and hasattr(critic, "value_net"):
+        try:
+            agent.value_net.load_state_dict(critic.value_net.state_dict())
+            how = f"stage-2 {critic.kind} V"
+        except RuntimeError:
+            how = "fresh (the stage-2 V has other sizes)"
+    return agent, how
+
+
+def save_agent(path: Path, agent: ReinFlowAgent, actor_opt, critic_opt, cfg: ReinFlowConfig, iteration: int,
+               runner: ChunkRunner, best: dict) -> Path:
+    return save_torch({"format": CHECKPOINT_FORMAT, "meta": agent.meta, "config": dataclasses.asdict(cfg),
+                       "agent": agent.state_dict(), "actor_opt": actor_opt.state_dict(),
+                       "critic_opt": critic_opt.state_dict(), "iteration": iteration, "env_steps": runner.env_steps,
+                       "next_seed": runner.next_seed, "best": best, "rng": torch.get_rng_state()}, path)
+
+
+def read_agent_checkpoint(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"ReinFlow checkpoint {path} not found: train one with notebook 03 "
+                                "(python -m flowlib.run 03_reinflow)")
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path} is not a ReinFlow checkpoint (format {CHECKPOINT_FORMAT})")
+    return ckpt
+
+
+def load_agent(path: str | Path) -> ReinFlowAgent:
+    """A fine-tuned agent from a ReinFlow checkpoint (``last.pt`` / ``best_model.pt``), in eval mode."""
+    ckpt = read_agent_checkpoint(path)
+    cfg = ReinFlowConfig(**{k: v for k, v in ckpt["config"].items()})
+    agent = ReinFlowAgent(bc.build_policy(ckpt["meta"]), cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
+                          tuple(cfg.value_hidden_dims), cfg.include_initial_noise)
+    agent.load_state_dict(ckpt["agent"])
+    return agent.eval()
+
+
+def env_steps_per_iteration(cfg: ReinFlowConfig, num_envs: int, act_horizon: int) -> int:
+    return cfg.rollout_steps * num_envs * act_horizon
+
+
+def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracker=None) -> dict:
+    """ReinFlow: PPO on the noisy denoising chain, chunks as a semi-MDP (ReinFlow Alg. 1).
+
+    Each iteration: set ``max_noise_std`` from the schedule, collect ``rollout_steps`` decisions
+    per env, GAE, then PPO (value net only while ``env_steps < critic_warmup_steps``).  Every
+    ``eval_every`` iterations the deterministic chain is evaluated on ``eval_seed`` episodes (the
+    training episodes restart afterwards).  ``last.pt`` (atomic) every ``ckpt_every`` iterations;
+    with ``resume`` a run continues from it.  Returns ``{"best": ..., "iterations": ...}``.
+    """
+    run_path = Path(run_path)
+    run_path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        # TF32 convolutions/matmuls perturb re-scored log-probs of a K x H x A-dim chain by far more than
+        # float32 does: the PPO ratio would start away from 1 (and the check in ppo_update would stop the run)
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+    agent.to(device)
+    actor_opt = torch.optim.Adam(agent.policy_parameters(), lr=cfg.actor_lr)
+    critic_opt = torch.optim.Adam(agent.value_parameters(), lr=cfg.critic_lr)
+    per_iter = env_steps_per_iteration(cfg, env.num_envs, agent.act_horizon)
+    num_iters = max(1, math.ceil(cfg.total_env_steps / per_iter))
+    start, next_seed, env_steps, best = 0, cfg.train_seed, 0, {"success_once": -1.0, "env_steps": 0}
+    last = run_path / "last.pt"
+    if cfg.resume and last.exists():
+        ckpt = read_agent_checkpoint(last)
+        if ckpt["meta"] != agent.meta:
+            raise ValueError(f"{last} belongs to another policy; use another run_name or resume=False")
+        agent.load_state_dict(ckpt["agent"])
+        actor_opt.load_state_dict(ckpt["actor_opt"])
+        critic_opt.load_state_dict(ckpt["critic_opt"])
+        torch.set_rng_state(ckpt["rng"])
+        start, next_seed, env_steps, best = ckpt["iteration"], ckpt["next_seed"], ckpt["env_steps"], ckpt["best"]
+        if tracker is not None:
+            tracker.rewind(env_steps)
+        print(f"resumed from {last} at iteration {start} ({env_steps} env steps)")
+    runner = ChunkRunner(env, agent.obs_horizon, cfg.gamma, cfg.reward, first_seed=next_seed)
+    runner.env_steps = env_steps
+    gen = torch.Generator().manual_seed(cfg.seed * 100_003 + start)
+    bar = tqdm(total=num_iters, initial=start, desc="ReinFlow", mininterval=10)
+    for iteration in range(start, num_iters):
+        max_std = noise_schedule(cfg.noise_schedule, runner.env_steps / max(cfg.noise_decay_steps, 1),
+                                 cfg.max_noise_std, cfg.final_noise_std)
+        agent.set_max_noise_std(max_std)
+        agent.eval()
+        t0 = time.time()
+        buf = collect(agent, runner, cfg.rollout_steps, gen)
+        rollout_time = time.time() - t0
+        advantages, returns = gae(buf.rewards, buf.values, buf.next_values, buf.discounts, buf.terminal, buf.ends,
+                                  cfg.gae_lambda)
+        warmup = runner.env_steps <= cfg.critic_warmup_steps
+        agent.train()
+        t1 = time.time()
+        stats = ppo_update(agent, buf.flat(advantages, returns), actor_opt, critic_opt, cfg,
+                           train_policy=not warmup, generator=gen)
+        update_time = time.time() - t1
+        episodes = runner.pop_finished()
+        row = {"iteration": iteration + 1, "max_noise_std": max_std, "critic_warmup": float(warmup),
+               "episodes": len(episodes), "rollout_time": rollout_time, "update_time": update_time,
+               "env_steps_per_s": per_iter / max(rollout_time, 1e-9),
+               "explained_variance": explained_variance(buf.values.flatten(), returns.flatten()), **stats}
+        if "entropy" in stats:  # geometric-mean noise std from the Gaussian entropy
+            row["noise_std"] = math.exp(stats["entropy"] - 0.5 * (1 + LOG_2PI))
+        if episodes:
+            row.update({"train/success_once": float(np.mean([e["success_once"] for e in episodes])),
+                        "train/return": float(np.mean([e["return"] for e in episodes])),
+                        "train/episode_length": float(np.mean([e["length"] for e in episodes]))})
+        if cfg.eval_every and (iteration + 1) % cfg.eval_every == 0 and iteration + 1 < num_iters:
+            result = bc.evaluate(agent, env, cfg.num_eval_episodes, cfg.num_inference_steps, seed=cfg.eval_seed)
+            runner.restart()
+            row.update({"eval/success_once": result["success_once"], "eval/success_at_end": result["success_at_end"],
+                        "eval/return": result["return"]})
+            if result["success_once"] > best["success_once"]:
+                best = {"success_once": result["success_once"], "env_steps": runner.env_steps}
+                save_agent(run_path / "best_model.pt", agent, actor_opt, critic_opt, cfg, iteration + 1, runner, best)
+        if tracker is not None:
+            tracker.log(row, runner.env_steps)
+        if (iteration + 1) % cfg.ckpt_every == 0 or iteration + 1 == num_iters:
+            save_agent(last, agent, actor_opt, critic_opt, cfg, iteration + 1, runner, best)
+        bar.update()
+    bar.close()
+    agent.eval()
+    return {"best": best, "iterations": num_iters, "env_steps": runner.env_steps}
+
+
+# --------------------------------------------------------------------------- benchmarks
+
+
+def peak_memory_mb() -> float:
+    """Peak GPU memory (CUDA) or peak resident memory of this process (CPU), in MiB."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def overhead(agent: ReinFlowAgent, env, decisions: int = 8, seed: int = 0) -> dict[str, float]:
+    """Time per env step of the raw simulator (random actions) vs of the policy's share in the loop
+    (noisy chain sampling, value, log-prob bookkeeping), from ``decisions`` chunk decisions of each."""
+    device = next(agent.parameters()).device
+    N, Ta = env.num_envs, agent.act_horizon
+    env.reset(seed=seed)
+    t0 = time.time()
+    for _ in range(decisions * Ta):
+        env.step(torch.rand(N, env.spec.action_dim, device=env.device) * 2 - 1)
+    raw = (time.time() - t0) / (decisions * Ta * N)
+    runner = ChunkRunner(env, agent.obs_horizon, 0.99, first_seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    policy_time, t0 = 0.0, time.time()
+    with torch.no_grad():
+        for _ in range(decisions):
+            tp = time.time()
+            window = runner.window.to(device)
+            chain, log_prob = agent.sample(window, gen)
+            agent.value(window)
+            actions = agent.actions(chain).cpu()
+            policy_time += time.time() - tp
+            out = runner.step_chunk(actions)
+            tp = time.time()
+            agent.value(out["next_window"].to(device))
+            policy_time += time.time() - tp
+    total = time.time() - t0
+    steps = decisions * Ta * N
+    return {"num_envs": N, "raw_step_ms": 1e3 * raw, "policy_ms_per_env_step": 1e3 * policy_time / steps,
+            "overhead_fraction": (policy_time / steps) / raw, "loop_env_steps_per_s": steps / total}

@@ -1,0 +1,274 @@
+"""Sweeps: one notebook over a folder of parameter files x seeds, each run a papermill job.
+
+    python -m flowlib.sweep run 03_reinflow params/03_reinflow/ablations --seeds 0 1 2 --gpus 0 1 2 3
+    python -m flowlib.sweep run 03_reinflow params/03_reinflow/ablations --seeds 0 1 2 --dry-run
+    python -m flowlib.sweep run 03_reinflow params/03_reinflow/ablations --seeds 0 1 2 --backend ray
+    python -m flowlib.sweep monitor outputs/03_reinflow/ablations
+
+Job ``<stem>_seed<s>`` runs ``python -m flowlib.run <notebook> --params <file> -p seed=<s>`` in its
+own OS process, into ``outputs/<notebook>/<sweep>/<stem>_seed<s>/``.  A job whose folder holds
+``summary.json`` (the notebook's last write) is finished and skipped, so a sweep resumes by running
+the same command again.  A failing job writes ``error.txt`` and the others go on.
+
+Backends: ``local`` runs one job per listed GPU at a time (``CUDA_VISIBLE_DEVICES``; ``--gpus``
+empty = ``--jobs`` CPU jobs); ``ray`` submits the same jobs as Ray tasks with ``num_gpus=1`` to an
+existing cluster (``ray.init(address="auto")``).  No scheduler of our own beyond a GPU pool.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .config import ConfigError, load_yaml
+from .run import config_class, resolve_parameters
+from .runs import REPO_ROOT, outputs_root, save_json
+
+
+@dataclass
+class SweepReportConfig:
+    """Parameters of notebook 05 (the sweep report)."""
+
+    sweep_dir: str = ""                 # relative to outputs/ (e.g. 03_reinflow/ablations); "" = run the smoke sweep
+    smoke_params: str = "params/03_reinflow/smoke"
+    seeds: list[int] = field(default_factory=lambda: [0])
+    success_level: float = 0.9
+    metric: str = "train/success_once"
+    run_name: str = "default"
+
+
+@dataclass
+class Job:
+    name: str          # <stem>_seed<s>
+    params_file: str
+    seed: int
+    run_name: str      # <sweep>/<name>
+    out_dir: str
+
+    @property
+    def finished(self) -> bool:
+        return (Path(self.out_dir) / "summary.json").exists()
+
+    @property
+    def failed(self) -> bool:
+        return (Path(self.out_dir) / "error.txt").exists() and not self.finished
+
+    def command(self, notebook: str) -> list[str]:
+        return [sys.executable, "-m", "flowlib.run", notebook, "--params", self.params_file,
+                "-p", f"seed={self.seed}", "--run-name", self.run_name]
+
+
+def plan(notebook: str, params_dir: str | Path, seeds: list[int], sweep_name: str | None = None) -> list[Job]:
+    """Every (parameter file, seed) pair, validated against the notebook's config before anything runs."""
+    params_dir = Path(params_dir)
+    files = sorted(params_dir.glob("*.yaml"))
+    if not files:
+        raise ConfigError(f"no *.yaml parameter files in {params_dir}")
+    config_class(notebook)  # unknown notebook -> clear error
+    sweep = sweep_name or params_dir.name
+    jobs = []
+    for f in files:
+        for s in seeds:
+            name = f"{f.stem}_seed{s}"
+            run_name = f"{sweep}/{name}"
+            resolve_parameters(notebook, str(f), {"seed": s}, run_name)  # a typo in any file stops the plan
+            jobs.append(Job(name, str(f), s, run_name, str(outputs_root() / notebook / sweep / name)))
+    return jobs
+
+
+def run_job(job: Job, notebook: str, gpu: str | None = None) -> dict:
+    """Run one job in a subprocess; returns its status row (never raises for a failed run)."""
+    out = Path(job.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "error.txt").unlink(missing_ok=True)
+    env = dict(os.environ)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    t0 = time.time()
+    with open(out / "job.log", "w") as log:
+        proc = subprocess.run(job.command(notebook), cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    status = "done" if proc.returncode == 0 and job.finished else "failed"
+    if status == "failed":
+        tail = (out / "job.log").read_text()[-4000:]
+        (out / "error.txt").write_text(f"exit code {proc.returncode}\n{tail}")
+    return {"job": job.name, "status": status, "gpu": gpu, "wall_s": round(time.time() - t0, 1)}
+
+
+def run_local(jobs: list[Job], notebook: str, gpus: list[str], max_jobs: int = 1) -> list[dict]:
+    """At most one job per GPU (or ``max_jobs`` CPU jobs) at a time, from a pool of free devices."""
+    slots: queue.Queue = queue.Queue()
+    for g in (gpus or [None] * max_jobs):
+        slots.put(g)
+
+    def one(job: Job) -> dict:
+        gpu = slots.get()
+        try:
+            row = run_job(job, notebook, gpu)
+        finally:
+            slots.put(gpu)
+        print(f"[{row['status']}] {job.name} ({row['wall_s']}s)", flush=True)
+        return row
+
+    with ThreadPoolExecutor(max_workers=slots.qsize()) as pool:
+        return list(pool.map(one, jobs))
+
+
+def run_ray(jobs: list[Job], notebook: str, address: str = "auto") -> list[dict]:
+    """The same jobs as Ray tasks, one GPU each, on an existing cluster."""
+    try:
+        import ray
+    except ImportError as err:
+        raise ImportError("--backend ray needs Ray: pip install 'ray[default]' and start a cluster (ray start --head)") from err
+    ray.init(address=address)
+    remote = ray.remote(num_gpus=1)(lambda job: run_job(job, notebook, gpu=None))  # Ray sets CUDA_VISIBLE_DEVICES
+    return ray.get([remote.remote(job) for job in jobs])
+
+
+def run_sweep(notebook: str, params_dir: str | Path, seeds: list[int], gpus: list[str] | None = None,
+              max_jobs: int = 1, backend: str = "local", dry_run: bool = False, sweep_name: str | None = None) -> dict:
+    jobs = plan(notebook, params_dir, seeds, sweep_name)
+    todo = [j for j in jobs if not j.finished]
+    sweep_dir = Path(jobs[0].out_dir).parent
+    print(f"sweep {sweep_dir}: {len(jobs)} jobs ({len(jobs) - len(todo)} finished, {len(todo)} to run), backend {backend}")
+    for j in jobs:
+        print(f"  {'skip' if j.finished else 'run '}  {j.name:40s} {j.params_file}  seed={j.seed}")
+    if dry_run:
+        return {"jobs": len(jobs), "todo": len(todo), "ran": []}
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    save_json(sweep_dir / "sweep.json", {"notebook": notebook, "params_dir": str(params_dir), "seeds": seeds,
+                                         "jobs": [asdict(j) for j in jobs]})
+    if backend == "ray":
+        rows = run_ray(todo, notebook)
+    elif backend == "local":
+        rows = run_local(todo, notebook, gpus or [], max_jobs)
+    else:
+        raise ValueError(f"backend must be 'local' or 'ray', got {backend!r}")
+    failed = [r["job"] for r in rows if r["status"] != "done"]
+    print(f"done: {len(rows) - len(failed)} ok, {len(failed)} failed" + (f" ({', '.join(failed)})" if failed else ""))
+    return {"jobs": len(jobs), "todo": len(todo), "ran": rows}
+
+
+def monitor(sweep_dir: str | Path) -> list[dict]:
+    """One row per job of a sweep folder: status, env steps reached, last training / eval success."""
+    sweep_dir = Path(sweep_dir)
+    meta_path = sweep_dir / "sweep.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{meta_path} not found: is {sweep_dir} a sweep folder (python -m flowlib.sweep run ...)?")
+    meta = json.loads(meta_path.read_text())
+    rows = []
+    for j in meta["jobs"]:
+        job = Job(**j)
+        out = Path(job.out_dir)
+        metrics = out / "metrics.jsonl"
+        last = {}
+        if metrics.exists():
+            lines = [line for line in metrics.read_text().splitlines() if line.strip()]
+            last = json.loads(lines[-1]) if lines else {}
+        status = "done" if job.finished else "failed" if job.failed else "running" if metrics.exists() else "pending"
+        rows.append({"job": job.name, "status": status, "env_steps": last.get("step"),
+                     "train_success": last.get("train/success_once"), "eval_success": last.get("eval/success_once")})
+    return rows
+
+
+def category(variant: str) -> str:
+    """``noise_exp`` -> ``noise``; the ablation files are named ``<category>_<variant>``."""
+    return variant.split("_", 1)[0]
+
+
+def load_sweep(sweep_dir: str | Path):
+    """Every finished job's metrics as one DataFrame: ``job, variant, category, seed`` + logged columns,
+    and one row per job of its summary (``before`` / ``after`` success, train time)."""
+    import pandas as pd
+
+    sweep_dir = Path(sweep_dir)
+    meta_path = sweep_dir / "sweep.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{meta_path} not found: run a sweep first (python -m flowlib.sweep run ...)")
+    curves, finals = [], []
+    for j in json.loads(meta_path.read_text())["jobs"]:
+        job = Job(**j)
+        if not job.finished:
+            continue
+        variant = Path(job.params_file).stem
+        tags = {"job": job.name, "variant": variant, "category": category(variant), "seed": job.seed}
+        out = Path(job.out_dir)
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        curves += [{**tags, **row} for row in rows]
+        summary = json.loads((out / "summary.json").read_text())
+        finals.append({**tags, "before": summary["before"]["success_once"], "after": summary["after"]["success_once"],
+                       "train_time_s": summary["train_time_s"], "env_steps": summary["env_steps"]})
+    if not finals:
+        raise ValueError(f"{sweep_dir} has no finished job yet: see python -m flowlib.sweep monitor {sweep_dir}")
+    return pd.DataFrame(curves), pd.DataFrame(finals)
+
+
+def summarize(curves, finals, level: float = 0.9, metric: str = "train/success_once"):
+    """Per variant, over seeds: env steps to first reach ``level`` of ``metric`` (mean; NaN if a
+    seed never does, and how many did), final deterministic success (mean, std), stability (std of
+    the metric over the second half of the run, mean over seeds) and seconds per iteration."""
+    import numpy as np
+    import pandas as pd
+
+    rows = []
+    for (variant, cat), runs in finals.groupby(["variant", "category"]):
+        reach, stability, per_iter = [], [], []
+        for job in runs.job:
+            c = curves[curves.job == job].sort_values("step")
+            m = c[metric].dropna() if metric in c else pd.Series(dtype=float)
+            hit = c.loc[m.index[m >= level], "step"] if len(m) else []
+            reach.append(float(hit.iloc[0]) if len(hit) else np.nan)
+            second = m.iloc[len(m) // 2:]
+            stability.append(float(second.std()) if len(second) > 1 else np.nan)
+            per_iter.append(float((c.rollout_time + c.update_time).mean()))
+        rows.append({"category": cat, "variant": variant, "seeds": len(runs),
+                     f"steps_to_{level:g}": np.nanmean(reach) if not np.isnan(reach).all() else np.nan,
+                     "seeds_reaching": int((~np.isnan(reach)).sum()),
+                     "final_success_mean": runs.after.mean(), "final_success_std": runs.after.std(ddof=0),
+                     "stability_std": np.nanmean(stability) if not np.isnan(stability).all() else np.nan,
+                     "s_per_iteration": float(np.mean(per_iter))})
+    return pd.DataFrame(rows).sort_values(["category", "variant"]).reset_index(drop=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flowlib.sweep", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run a notebook over a folder of params x seeds")
+    r.add_argument("notebook")
+    r.add_argument("params_dir")
+    r.add_argument("--seeds", type=int, nargs="+", default=[0])
+    r.add_argument("--gpus", nargs="*", default=[], help="GPU ids, one job per GPU at a time (local backend)")
+    r.add_argument("--jobs", type=int, default=1, help="concurrent CPU jobs when no --gpus are given")
+    r.add_argument("--backend", choices=["local", "ray"], default="local")
+    r.add_argument("--sweep-name", help="folder under outputs/<notebook>/ (default: the params folder's name)")
+    r.add_argument("--dry-run", action="store_true", help="print the plan and stop")
+    m = sub.add_parser("monitor", help="progress of a sweep folder")
+    m.add_argument("sweep_dir")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "run":
+            out = run_sweep(args.notebook, args.params_dir, args.seeds, args.gpus, args.jobs, args.backend,
+                            args.dry_run, args.sweep_name)
+            return 1 if any(r["status"] != "done" for r in out["ran"]) else 0
+        rows = monitor(args.sweep_dir)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("done", "running", "failed", "pending")}
+    print(" · ".join(f"{k} {v}" for k, v in counts.items()))
+    for row in rows:
+        fmt = lambda v: "-" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
+        print(f"  {row['status']:8s} {row['job']:40s} steps {fmt(row['env_steps']):>8s}  "
+              f"train {fmt(row['train_success']):>5s}  eval {fmt(row['eval_success']):>5s}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

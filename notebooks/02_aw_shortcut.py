@@ -1,0 +1,304 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: tags,-all
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: kernelspec,jupytext,-jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 02 · Stage 2: AW-ShortCut Flow, offline RL by advantage-weighted BC
+#
+# Stage 1 cloned the demonstrations. Stage 2 improves the policy **from data alone**: it re-trains
+# the same ShortCut flow with each (observation, action chunk) weighted by how much better that chunk
+# is than the policy's average, as judged by a critic learned offline.
+#
+# **Advantage-weighted regression** (AWR, Peng et al. 2019; AWAC, Nair et al. 2020). The policy
+# that maximises $\mathbb E[A]$ while staying close (in KL) to the data's behaviour policy
+# $\pi_\beta$ is $\pi^*(a\mid s) \propto \pi_\beta(a\mid s)\exp(\beta A(s,a))$ (AWR Eq. 7). Fitting
+# it by maximum likelihood on data from $\pi_\beta$ means weighting each sample by
+# $w = \exp(\beta A)$, clipped at $w_\max$ for stability. For a flow policy, the "likelihood" is
+# the ShortCut loss: the whole per-sample loss (flow-matching *and* self-consistency parts) is
+# multiplied by $w$, so both describe the same re-weighted distribution (`flowlib.awsc`).
+#
+# **The critic lives on chunks** (a semi-MDP). A chunk of $T_a$ actions from $s_c$ runs
+# $\tau = \min(T_a, T - c)$ steps and gives
+# $$R = \sum_{k<\tau}\gamma^k r_{c+k}, \qquad Q(s_c, a_{c:c+T_a}) \leftarrow R + \gamma^\tau (1 - \text{terminal})\, V(s_{c+\tau}).$$
+# A time-limit truncation is not a termination: it bootstraps.
+#
+# **IQL** (Kostrikov et al. 2022) fits $V$ without ever querying actions outside the data, by
+# *expectile regression* on $Q$ (IQL Eq. 5):
+# $$L_V = \mathbb E\big[\,|\kappa - \mathbb 1(u<0)|\, u^2\big], \quad u = \min_i Q_{\bar\theta_i}(s,a) - V(s),$$
+# which for $\kappa > 0.5$ approaches the best value among in-data actions; twin $Q$ nets regress on
+# the SMDP target (IQL Eq. 6) with Polyak-averaged copies. The advantage is $A = \min_i Q_{\bar\theta_i} - V$.
+# A Monte-Carlo critic ($V$ regressed on observed returns, $A = G - V$) is the simple baseline.
+#
+# **Data with contrast.** Motion-planned demos all succeed, so a critic trained on them alone has
+# nothing to rank. We add rollouts of the stage-1 policy (deterministic and with exploration noise,
+# successes and failures) recorded in the simulator. Every episode stops at its first success,
+# which is terminal (the sparse reward is 1 there, 0 elsewhere).
+
+# %%
+import dataclasses
+import json
+import time
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import torch
+
+from flowlib import awsc, bc, config, critic as critics, runs
+from flowlib.data import ChunkDataset, check_held_out, generate_demos, load_demos
+from flowlib.envs import make_env
+from flowlib.tracking import Tracker
+
+# %% tags=["parameters"]
+# Defaults: the small CPU run (minutes), starting from notebook 01's default checkpoint.
+# Longer runs: params/02_aw_shortcut/cpu.yaml (2 CPU cores) and gpu.yaml.
+seed = 0
+stage1_checkpoint = ""  # relative to outputs/; "" = 01_shortcut_bc/default/best_model.pt
+env_id = "PickCube-v1"
+num_demos = 20
+demo_file = ""
+rollout_episodes = 6
+rollout_noise_stds = [0.0, 0.3]
+rollout_inference_steps = 4
+critic = "iql"
+reward = "sparse"
+gamma = 0.99
+expectile = 0.7
+target_polyak = 0.005
+critic_hidden_dims = [128, 128]
+critic_lr = 0.0003
+critic_steps = 1000
+critic_batch_size = 256
+holdout_fraction = 0.25
+beta = 5.0
+max_weight = 20.0
+weighting = "exp"
+train_seeds = [0]
+train_steps = 200
+batch_size = 128
+lr = 0.0003
+weight_decay = 1e-06
+warmup_steps = 20
+ckpt_every = 100
+log_every = 25
+eval_every = 0
+select_inference_steps = 4
+eval_inference_steps = [4]
+num_eval_episodes = 4
+val_seed = 10000
+eval_seed = 20000
+num_envs = 2
+max_episode_steps = 100
+backend = "auto"
+num_threads = 1
+resume = True
+run_name = "default"
+wandb_mode = "disabled"
+
+# %%
+cfg = config.from_globals(awsc.AWShortCutConfig, globals())
+if cfg.num_threads:
+    torch.set_num_threads(cfg.num_threads)
+torch.manual_seed(cfg.seed)
+run_path = runs.run_dir("02_aw_shortcut", cfg.run_name)
+runs.save_params(run_path, cfg)
+tracker = Tracker(run_path, config.to_dict(cfg), wandb_mode=cfg.wandb_mode, project="flowlib-02", resume=cfg.resume)
+stage1_path = awsc.stage1_checkpoint_path(cfg)
+stage1 = bc.load_policy(stage1_path)
+print(f"run folder: outputs/02_aw_shortcut/{cfg.run_name}; stage 1: {stage1_path.parent.name}/{stage1_path.name}")
+
+# %% [markdown]
+# ## Data with contrast: demos + stage-1 rollouts
+
+# %%
+t0 = time.time()
+demo_path = cfg.demo_file or generate_demos(cfg.env_id, cfg.num_demos)
+demos = load_demos(demo_path, max_episodes=None if cfg.demo_file else cfg.num_demos)
+awsc.check_data_fits(stage1.meta, demos, cfg.env_id)
+env = make_env(cfg.env_id, cfg.num_envs, max_episode_steps=cfg.max_episode_steps, backend=cfg.backend)
+bc.check_compatible(stage1.meta, env.spec)
+rollouts, rollout_rows = awsc.collect_rollouts(stage1, env, cfg, stage1_path)
+sources = ["demo"] * len(demos) + [f"rollout σ={r['noise_std']:g}" for r in rollout_rows for _ in range(r["episodes"])]
+episodes = [critics.truncate_at_success(ep) for ep in demos + rollouts]
+check_held_out("eval_seed", cfg.eval_seed, cfg.num_eval_episodes + cfg.num_envs, episodes)
+check_held_out("val_seed", cfg.val_seed, cfg.num_eval_episodes + cfg.num_envs, episodes)
+print(f"data ready in {time.time() - t0:.0f}s")
+data_table = pd.DataFrame({"source": sources, "success": [ep.success.any() for ep in episodes],
+                           "length": [len(ep) for ep in episodes]}).groupby("source").agg(
+    episodes=("success", "size"), success_rate=("success", "mean"), mean_length=("length", "mean"))
+data_table.round(2)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"episodes: {len(demos)} demos + {len(rollouts)} rollouts over {len(cfg.rollout_noise_stds)} noise levels")
+print(f"contrast (some episodes succeed, some fail): {0 < np.mean([ep.success.any() for ep in episodes]) < 1}")
+
+# %% [markdown]
+# ## SMDP transitions and the critic
+# One transition per decision step, aligned with the BC windows; episodes split by source into
+# training and held-out sets. The held-out episodes measure whether $V$ tracks real returns.
+
+# %%
+dataset = ChunkDataset(episodes, stage1.obs_horizon, stage1.pred_horizon, stage1.obs_normalizer, stage1.action_normalizer)
+transitions = critics.chunk_transitions(dataset, stage1.act_horizon, cfg.gamma, cfg.reward)
+held_out_episodes = awsc.holdout_mask(sources, cfg.holdout_fraction, cfg.seed)
+held_out = torch.as_tensor(held_out_episodes)[transitions.episode]
+train_data, test_data = transitions.subset(~held_out), transitions.subset(held_out)
+print(f"{len(transitions)} transitions: {len(train_data)} train, {len(test_data)} held out "
+      f"({held_out_episodes.sum()} episodes); terminal: {int(transitions.terminal.sum())}")
+
+# %%
+t0 = time.time()
+fitted, curves = {}, {}
+for kind in dict.fromkeys([cfg.critic, "mc"]):  # the chosen critic, and Monte Carlo for comparison
+    torch.manual_seed(cfg.seed)
+    fitted[kind] = critics.build_critic(kind, stage1.meta, stage1.obs_normalizer, stage1.action_normalizer,
+                                        cfg.critic_hidden_dims, cfg.expectile, cfg.target_polyak)
+    curves[kind] = pd.DataFrame(critics.train_critic(fitted[kind], train_data, cfg.critic_steps, cfg.critic_batch_size,
+                                                     cfg.critic_lr, cfg.seed, tracker, log_prefix=f"critic_{kind}/"))
+critic = fitted[cfg.critic]
+print(f"critics trained in {time.time() - t0:.0f}s")
+fig, axes = plt.subplots(1, len(curves), figsize=(4.5 * len(curves), 2.8), squeeze=False)
+for ax, (kind, curve) in zip(axes[0], curves.items()):
+    curve.set_index("step").plot(ax=ax, logy=True, title=f"{kind} critic")
+runs.save_figure(fig, run_path, "critic_curves")
+plt.show()
+
+# %% [markdown]
+# ### $V$ against the observed discounted return, on held-out episodes
+
+# %%
+fig, axes = plt.subplots(1, len(fitted), figsize=(4 * len(fitted), 3.4), squeeze=False)
+pearson = {}
+returns = test_data.mc_return.numpy()
+for ax, (kind, model) in zip(axes[0], fitted.items()):
+    v = awsc.values(model, test_data.obs).numpy()
+    pearson[kind] = float(np.corrcoef(v, returns)[0, 1])
+    ax.scatter(returns, v, s=4, alpha=0.4)
+    lim = [min(returns.min(), v.min()), max(returns.max(), v.max())]
+    ax.plot(lim, lim, "k--", lw=0.8)
+    ax.set_xlabel("held-out discounted return $G$")
+    ax.set_ylabel("$V(s)$")
+    ax.set_title(f"{kind}: Pearson r = {pearson[kind]:.2f}")
+runs.save_figure(fig, run_path, "value_vs_return")
+plt.show()
+tracker.log({f"critic_{k}/pearson_r_heldout": r for k, r in pearson.items()}, 0)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"held-out correlation is a number: {all(np.isfinite(r) for r in pearson.values())}")
+print(f"{cfg.critic} critic's V correlates positively with held-out return: {pearson[cfg.critic] > 0}")
+
+# %% [markdown]
+# ## Advantage weights
+# $w = \min(\exp(\beta A), w_\max)$. Kish's effective sample size $(\sum w)^2 / (n \sum w^2)$ says
+# how much of the data still counts: near 1, the weights barely differ from BC; near 0, a few
+# samples dominate and $\beta$ is too large.
+
+# %%
+adv = awsc.advantages(critic, transitions)
+weights = critics.advantage_weights(adv, cfg.beta, cfg.max_weight, cfg.weighting)
+ess = critics.effective_sample_size(weights)
+episode_source = np.asarray(sources)[transitions.episode.numpy()]
+episode_success = np.array([ep.success.any() for ep in episodes])[transitions.episode.numpy()]
+by_source = pd.DataFrame({"source": episode_source, "episode succeeded": episode_success, "advantage": adv.numpy(),
+                          "weight": weights.numpy()}).groupby(["source", "episode succeeded"]).mean()
+fig, ax = plt.subplots(figsize=(5, 2.8))
+ax.hist(weights.numpy(), bins=60, log=True)
+ax.set_xlabel("weight w")
+ax.set_title(f"β = {cfg.beta:g}, ESS = {ess:.2f}, clipped at {cfg.max_weight:g}: {(weights >= cfg.max_weight).float().mean():.1%}")
+runs.save_figure(fig, run_path, "weights")
+plt.show()
+tracker.log({"weights/ess": ess, "weights/max": weights.max().item()}, 0)
+by_source.round(3)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"weights positive and clipped: {bool((weights > 0).all() and (weights <= cfg.max_weight + 1e-6).all())}")
+print(f"effective sample size in (0, 1]: {0 < ess <= 1}")
+
+# %% [markdown]
+# ## AW-ShortCut training
+# Starts from the stage-1 checkpoint (weights, EMA and normalisers) with a fresh optimiser; one run
+# per training seed under `seed_<k>/`, each checkpoint holding the critic too (for stage 3).
+
+# %%
+t0 = time.time()
+stage2 = {}
+for s in cfg.train_seeds:
+    seed_cfg = dataclasses.replace(cfg, seed=s)
+    seed_path = run_path / f"seed_{s}"
+    seed_tracker = Tracker(seed_path, config.to_dict(seed_cfg), wandb_mode=cfg.wandb_mode, project="flowlib-02",
+                           name=f"{cfg.run_name}-seed{s}", resume=cfg.resume)
+    stage2[s], _ = bc.train(seed_cfg, dataset, seed_path, seed_tracker, env=env, policy=bc.load_policy(stage1_path),
+                            weights=weights, extra={"critic": critics.critic_state(critic), "stage1_checkpoint": str(stage1_path)},
+                            checkpoint_format=bc.AW_CHECKPOINT_FORMAT)
+    seed_tracker.finish()
+    history = pd.DataFrame(seed_tracker.rows)
+    plt.plot(history["step"], history["loss"], label=f"seed {s}")
+plt.yscale("log")
+plt.xlabel("step")
+plt.ylabel("weighted ShortCut loss")
+plt.legend()
+runs.save_figure(plt.gcf(), run_path, "aw_loss")
+plt.show()
+train_time = time.time() - t0
+print(f"{len(cfg.train_seeds)} seed(s) x {cfg.train_steps} steps in {train_time:.0f}s")
+
+# %% [markdown]
+# ## Stage 2 against stage 1, on the same evaluation seeds
+# Env seeds `eval_seed`, `eval_seed + 1`, ...: held out from every training episode (demos start at
+# seed 0, stage-1 rollouts at 1 000 000; the check after loading the data refuses an overlap).
+
+# %%
+rows = []
+for K in cfg.eval_inference_steps:
+    r1 = bc.evaluate(stage1, env, cfg.num_eval_episodes, K, seed=cfg.eval_seed)
+    rows.append({"policy": "stage 1", "seed": -1, "K": K, "success_once": r1["success_once"], "success_at_end": r1["success_at_end"]})
+    for s, policy in stage2.items():
+        r2 = bc.evaluate(policy, env, cfg.num_eval_episodes, K, seed=cfg.eval_seed)
+        rows.append({"policy": "stage 2", "seed": s, "K": K, "success_once": r2["success_once"], "success_at_end": r2["success_at_end"]})
+evals = pd.DataFrame(rows)
+evals.to_csv(run_path / "stage1_vs_stage2.csv", index=False)
+table = evals.groupby(["K", "policy"])[["success_once", "success_at_end"]].agg(["mean", "std", "count"])
+fig, ax = plt.subplots(figsize=(5, 2.8))
+means = evals.groupby(["K", "policy"])["success_once"].mean().unstack()
+spread = evals.groupby(["K", "policy"])["success_once"].std().unstack().fillna(0)
+means.plot.bar(ax=ax, yerr=spread, rot=0, capsize=3)
+ax.set_ylim(0, 1)
+ax.set_ylabel("success_once")
+ax.set_title(f"{cfg.env_id}, {cfg.num_eval_episodes} episodes, {len(cfg.train_seeds)} training seed(s)")
+runs.save_figure(fig, run_path, "stage1_vs_stage2")
+plt.show()
+table.round(3)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"every stage-2 seed evaluated: {sorted(evals[evals.policy == 'stage 2'].seed.unique().tolist()) == sorted(cfg.train_seeds)}")
+print(f"success rates within [0, 1]: {bool(evals[['success_once', 'success_at_end']].stack().between(0, 1).all())}")
+
+# %%
+env.close()
+K = cfg.select_inference_steps if cfg.select_inference_steps in cfg.eval_inference_steps else cfg.eval_inference_steps[0]
+at_k = evals[evals.K == K]
+s1, s2 = at_k[at_k.policy == "stage 1"].success_once.mean(), at_k[at_k.policy == "stage 2"].success_once
+verdict = "better than" if s2.mean() > s1 else ("equal to" if s2.mean() == s1 else "worse than")
+summary = {"stage1_checkpoint": str(stage1_path), "rollouts": rollout_rows, "pearson_r_heldout": pearson, "ess": ess,
+           "K": K, "stage1_success_once": s1, "stage2_success_once_mean": s2.mean(),
+           "stage2_success_once_std": s2.std() if len(s2) > 1 else 0.0, "train_time_s": train_time}
+tracker.summary(summary)
+tracker.finish()
+print(f"stage 2 at K={K}: {s2.mean():.2f} ± {summary['stage2_success_once_std']:.2f} over {len(s2)} seed(s), "
+      f"{verdict} stage 1 ({s1:.2f})")

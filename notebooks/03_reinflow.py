@@ -1,0 +1,252 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: tags,-all
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: kernelspec,jupytext,-jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 03 · Stage 3: ReinFlow, online PPO fine-tuning of the flow policy
+#
+# Stages 1 and 2 learned from fixed data. Stage 3 lets the policy act in the simulator and improves
+# it by policy gradient. A flow policy has no tractable likelihood for its action, so ReinFlow
+# (Zhang et al. 2025) makes the **denoising chain itself** the object of the policy gradient.
+#
+# **The denoising MDP.** With $K$ steps on the grid $t_k = k/K$ (the one `flowlib.flows.time_grid`),
+# the sampler becomes a Markov chain by adding learned noise at every step (ReinFlow Eq. 4):
+# $$x_{k+1} = x_k + v_\theta(x_k, t_k \mid o)\,\tfrac1K + \sigma_\theta(t_k, o)\,\epsilon_k,\qquad \epsilon_k\sim\mathcal N(0, I),$$
+# so each transition is Gaussian and the chain has an **exact** log-likelihood (ReinFlow Eq. 5):
+# $$\log\pi_\theta(x_{0:K}\mid o) = \sum_{k=0}^{K-1}\log\mathcal N\big(x_{k+1};\, x_k + v_\theta(x_k,t_k\mid o)/K,\ \sigma_\theta(t_k,o)^2 I\big)
+#   \;\big[+\log\mathcal N(x_0; 0, I)\big].$$
+# $\sigma_\theta$ is a small network (`ExploreNoiseNet`) squashed into $[\sigma_\min, \sigma_\max]$;
+# $\sigma_\max$ decays during training. The executed chunk is $x_K$; evaluation drops the noise.
+#
+# **PPO on chains.** The ratio is $\rho = \exp(\log\pi_\theta(x_{0:K}\mid o) - \log\pi_{\theta_\text{old}}(x_{0:K}\mid o))$,
+# with the clipped surrogate $\mathbb E[\min(\rho A, \operatorname{clip}(\rho, 1\pm\epsilon)A)]$
+# (Schulman et al. 2017, Eq. 7). Before any update $\rho$ must be exactly 1: re-scoring on another
+# time grid than sampling (a known bug in a public implementation) breaks that, and `ppo_update`
+# checks it on every update.
+#
+# **Chunks as a semi-MDP.** A decision at $s_c$ executes $T_a$ actions, earning
+# $R_c = \sum_{k<\tau}\gamma^k r_{c+k}$ over the $\tau \le T_a$ steps that ran. Then
+# $$\delta_c = R_c + \gamma^{\tau}(1-\text{term}_c)\,V(s_{c+\tau}) - V(s_c),\qquad
+#   A_c = \delta_c + \gamma^{\tau}\lambda\,(1-\text{end}_c)\,A_{c+1}$$
+# (GAE, Schulman et al. 2016, Eq. 16, with the per-decision discount $\gamma^\tau$). A termination
+# (success, with the sparse reward) stops the bootstrap; a time-limit truncation bootstraps from
+# $V$ of the last observation.
+#
+# **Critic warm-up.** The value net starts from scratch (or from the stage-2 $V$): for the first
+# `critic_warmup_steps` env steps only it learns, so the first policy updates see sane advantages.
+
+# %%
+import time
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import torch
+
+from flowlib import bc, config, reinflow, runs
+from flowlib.envs import make_env
+from flowlib.tracking import Tracker
+
+# %% tags=["parameters"]
+# Defaults: a short CPU run from notebook 01's default checkpoint (minutes; it shows the machinery,
+# not a better policy). params/03_reinflow/cpu.yaml is the ~1 h CPU run, baseline.yaml the paper-size one.
+seed = 0
+init_checkpoint = ""
+env_id = "PickCube-v1"
+num_envs = 2
+max_episode_steps = 100
+backend = "auto"
+reward = "sparse"
+num_inference_steps = 8
+min_noise_std = 0.01
+max_noise_std = 0.3
+final_noise_std = 0.01
+noise_schedule = "linear"
+noise_decay_steps = 512
+include_initial_noise = False
+total_env_steps = 512
+rollout_steps = 8
+update_epochs = 2
+minibatch_size = 16
+gamma = 0.99
+gae_lambda = 0.95
+clip_coef = 0.2
+value_clip = 0.0
+ent_coef = 0.01
+vf_coef = 0.5
+actor_lr = 3e-05
+critic_lr = 0.0001
+max_grad_norm = 1.0
+target_kl = 0.0
+norm_adv = True
+critic_warmup_steps = 128
+value_hidden_dims = [256, 256]
+warm_start_value = True
+eval_every = 0
+num_eval_episodes = 4
+eval_seed = 20000
+train_seed = 2000000
+ckpt_every = 1
+bench_num_envs = [1, 2]
+bench_decisions = 8
+num_threads = 1
+resume = True
+run_name = "default"
+wandb_mode = "disabled"
+
+# %%
+cfg = config.from_globals(reinflow.ReinFlowConfig, globals())
+if cfg.num_threads:
+    torch.set_num_threads(cfg.num_threads)
+torch.manual_seed(cfg.seed)
+run_path = runs.run_dir("03_reinflow", cfg.run_name)
+runs.save_params(run_path, cfg)
+tracker = Tracker(run_path, config.to_dict(cfg), wandb_mode=cfg.wandb_mode, project="flowlib-03", resume=cfg.resume)
+init_path = reinflow.init_checkpoint_path(cfg)
+env = make_env(cfg.env_id, cfg.num_envs, max_episode_steps=cfg.max_episode_steps, backend=cfg.backend)
+agent, value_init = reinflow.build_agent(cfg, init_path, env.spec)
+print(f"run folder: outputs/03_reinflow/{cfg.run_name}; from {init_path.parent.name}/{init_path.name}; "
+      f"V: {value_init}; {env.num_envs} env(s) on {env.backend}")
+
+# %% [markdown]
+# ## The chain, its log-probability, and the ratio before an update
+# One noisy chain for a batch of observations: sampled once, then re-scored by the training code
+# path. Same weights, same grid: the ratio must be 1.
+
+# %%
+obs = env.reset(seed=cfg.eval_seed)
+window = obs[:, None].repeat(1, agent.obs_horizon, 1)
+chain, log_prob = agent.sample(window, torch.Generator().manual_seed(cfg.seed))
+with torch.no_grad():
+    rescored, entropy = agent.log_prob(window, chain)
+ratio = (rescored - log_prob).exp()
+print(f"chain {tuple(chain.shape)} = [B, K+1, H, A]; log-prob per chain {log_prob.numpy().round(1)}")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"chain has K+1 = {cfg.num_inference_steps + 1} states: {chain.shape[1] == cfg.num_inference_steps + 1}")
+print(f"ratio == 1 before any update: {bool((ratio - 1).abs().max() < 1e-4)}")
+
+# %% [markdown]
+# ## Before: the deterministic chain on held-out seeds
+
+# %%
+before = bc.evaluate(agent, env, cfg.num_eval_episodes, cfg.num_inference_steps, seed=cfg.eval_seed)
+print(f"before fine-tuning: success_once {before['success_once']:.2f}, success_at_end {before['success_at_end']:.2f} "
+      f"({before['episodes']} episodes, seeds {cfg.eval_seed}+)")
+
+# %% [markdown]
+# ## Fine-tuning
+# Each iteration collects `rollout_steps` decisions per env with the noisy chain, computes SMDP
+# GAE, and runs PPO (value net only during the warm-up). `last.pt` after every `ckpt_every`
+# iterations: a killed run resumes where it stopped.
+
+# %%
+t0 = time.time()
+out = reinflow.train(cfg, agent, env, run_path, tracker)
+train_time = time.time() - t0
+history = pd.DataFrame(tracker.rows)
+print(f"{out['iterations']} iterations, {out['env_steps']} env steps in {train_time:.0f}s")
+history.filter(["step", "iteration", "critic_warmup", "max_noise_std", "value_loss", "policy_loss", "approx_kl",
+                "clip_frac", "explained_variance", "train/success_once"]).round(4).tail(8)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"env-step budget met: {out['env_steps'] >= cfg.total_env_steps}")
+print(f"critic warm-up first, then policy updates: {bool(history.critic_warmup.iloc[0] == 1) and 'policy_loss' in history}")
+print(f"no NaN in the losses: {bool(np.isfinite(history[['value_loss']].to_numpy()).all())}")
+
+# %% [markdown]
+# ## Learning curves, against env steps and wall time
+
+# %%
+fig, axes = plt.subplots(1, 3, figsize=(12, 3))
+for col, ax in zip(["train/success_once", "value_loss", "policy_loss"], axes):
+    if col in history:
+        ax.plot(history["step"], history[col], marker=".")
+    ax.set_xlabel("env steps")
+    ax.set_title(col)
+ax2 = axes[0].twiny()
+ax2.set_xlim(history["wall_time"].min(), history["wall_time"].max())
+ax2.set_xlabel("wall time (s)")
+fig.tight_layout()
+runs.save_figure(fig, run_path, "learning_curve")
+plt.show()
+
+# %% [markdown]
+# ## After: the same seeds
+
+# %%
+after = bc.evaluate(agent, env, cfg.num_eval_episodes, cfg.num_inference_steps, seed=cfg.eval_seed)
+compare = pd.DataFrame([{"policy": "before", **{k: before[k] for k in ("success_once", "success_at_end", "return")}},
+                        {"policy": "after", **{k: after[k] for k in ("success_once", "success_at_end", "return")}}])
+compare.to_csv(run_path / "before_after.csv", index=False)
+compare.round(3)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"same {cfg.num_eval_episodes} evaluation episodes before and after: {before['episodes'] == after['episodes']}")
+
+# %% [markdown]
+# ## The exploration-noise schedule
+# Planned $\sigma_\max$ over the env-step budget, and the noise the net actually used (geometric mean
+# of $\sigma_\theta$ over the batch, from the Gaussian entropy).
+
+# %%
+steps = np.linspace(0, max(cfg.total_env_steps, cfg.noise_decay_steps), 200)
+planned = [reinflow.noise_schedule(cfg.noise_schedule, s / cfg.noise_decay_steps, cfg.max_noise_std, cfg.final_noise_std)
+           for s in steps]
+fig, ax = plt.subplots(figsize=(5, 2.8))
+ax.plot(steps, planned, label=f"max_noise_std ({cfg.noise_schedule})")
+if "noise_std" in history:
+    ax.plot(history["step"], history["noise_std"], "o", label="noise std used")
+ax.set_xlabel("env steps")
+ax.legend()
+runs.save_figure(fig, run_path, "noise_schedule")
+plt.show()
+
+# %% [markdown]
+# ## Where the time goes, and the policy's overhead
+# Per iteration: rollout (simulator + chain sampling) against PPO update. Then the policy's share of
+# an env step (noisy chain for the batch, value, bookkeeping, divided by $N \cdot T_a$ env steps)
+# against a raw simulator step, and throughput over the number of envs.
+
+# %%
+phase = history[["rollout_time", "update_time"]].sum()
+print(f"rollout {phase.rollout_time:.1f}s ({phase.rollout_time / phase.sum():.0%}), update {phase.update_time:.1f}s")
+env.close()
+bench_rows = []
+for n in cfg.bench_num_envs:
+    with make_env(cfg.env_id, n, max_episode_steps=cfg.max_episode_steps, backend=cfg.backend) as bench_env:
+        bench_rows.append({**reinflow.overhead(agent, bench_env, cfg.bench_decisions, seed=cfg.eval_seed),
+                           "batch": n, "peak_memory_mb": reinflow.peak_memory_mb()})
+bench = pd.DataFrame(bench_rows)
+runs.save_json(run_path / "benchmark.json", {"backend": bench_env.backend, "K": cfg.num_inference_steps,
+                                              "rows": bench.to_dict("records")})
+bench.round(3)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"benchmark rows for num_envs {cfg.bench_num_envs}: {bench.num_envs.tolist() == cfg.bench_num_envs}")
+
+# %%
+summary = {"init_checkpoint": str(init_path), "value_init": value_init, "env_steps": out["env_steps"],
+           "train_time_s": train_time, "before": {k: before[k] for k in ("success_once", "success_at_end")},
+           "after": {k: after[k] for k in ("success_once", "success_at_end")}, "best": out["best"],
+           "overhead_fraction": bench.overhead_fraction.tolist()}
+tracker.summary(summary)
+tracker.finish()
+print(f"success_once {before['success_once']:.2f} -> {after['success_once']:.2f} after {out['env_steps']} env steps "
+      f"({train_time:.0f}s)")

@@ -1,0 +1,110 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: tags,-all
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: kernelspec,jupytext,-jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 05 · The ReinFlow ablation report
+#
+# Reads a sweep folder written by `python -m flowlib.sweep run 03_reinflow params/03_reinflow/ablations
+# --seeds 0 1 2 ...` (22 settings x seeds, one notebook-03 run each) and reports, per setting and
+# per category (warm-up, noise, PPO, learning rates, denoising steps, rollout shape):
+#
+# * **sample efficiency**: env steps until the training success rate first reaches `success_level`
+#   (mean over the seeds that reach it, and how many do);
+# * **final success**: the deterministic chain on the held-out evaluation seeds after training,
+#   mean and spread (std) over seeds;
+# * **stability**: the std of the success curve over the second half of each run, averaged over seeds;
+# * **cost**: seconds per PPO iteration (rollout + update).
+#
+# With the default `sweep_dir = ""` the notebook first runs a two-setting smoke sweep of notebook
+# 03's short CPU run, so that it always has real runs to read; point `sweep_dir` at a real sweep
+# (e.g. `03_reinflow/ablations`) for the study itself.
+
+# %%
+import matplotlib.pyplot as plt
+import numpy as np
+
+from flowlib import config, runs, sweep
+from flowlib.runs import REPO_ROOT, outputs_root
+
+# %% tags=["parameters"]
+sweep_dir = ""
+smoke_params = "params/03_reinflow/smoke"
+seeds = [0]
+success_level = 0.9
+metric = "train/success_once"
+run_name = "default"
+
+# %%
+cfg = config.from_globals(sweep.SweepReportConfig, globals())
+run_path = runs.run_dir("05_ablation_report", cfg.run_name)
+runs.save_params(run_path, cfg)
+if cfg.sweep_dir:
+    folder = outputs_root() / cfg.sweep_dir
+else:  # the smoke sweep: real (short) runs, skipped when already finished
+    sweep.run_sweep("03_reinflow", REPO_ROOT / cfg.smoke_params, cfg.seeds, sweep_name="smoke")
+    folder = outputs_root() / "03_reinflow" / "smoke"
+status = sweep.monitor(folder)
+print(f"{folder.relative_to(outputs_root())}: " + ", ".join(f"{r['job']} {r['status']}" for r in status))
+
+# %%
+curves, finals = sweep.load_sweep(folder)
+table = sweep.summarize(curves, finals, cfg.success_level, cfg.metric)
+table.to_csv(run_path / "summary_table.csv", index=False)
+table.round(3)
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"one row per setting with finished runs: {len(table) == finals.variant.nunique()}")
+print(f"final success within [0, 1]: {bool(table.final_success_mean.between(0, 1).all())}")
+
+# %% [markdown]
+# ## Per category: final success (mean ± std over seeds) and cost
+
+# %%
+by_cat = table.groupby("category")
+fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * len(table) + 1.5))
+labels = [f"{r.category} · {r.variant}" for r in table.itertuples()]
+y = np.arange(len(table))
+axes[0].barh(y, table.final_success_mean, xerr=table.final_success_std, color="tab:blue", alpha=0.8)
+axes[0].set_yticks(y, labels)
+axes[0].set_xlim(0, 1)
+axes[0].set_xlabel(f"final success_once ({', '.join(map(str, cfg.seeds))} seeds)")
+axes[1].barh(y, table.s_per_iteration, color="tab:gray")
+axes[1].set_yticks(y, [])
+axes[1].set_xlabel("seconds per iteration")
+fig.tight_layout()
+runs.save_figure(fig, run_path, "final_success")
+plt.show()
+
+# %% [markdown]
+# ## Learning curves (mean over seeds, band = min..max)
+
+# %%
+fig, ax = plt.subplots(figsize=(7, 3.5))
+for variant, c in curves.dropna(subset=[cfg.metric]).groupby("variant"):
+    agg = c.groupby("step")[cfg.metric].agg(["mean", "min", "max"])
+    ax.plot(agg.index, agg["mean"], label=variant)
+    ax.fill_between(agg.index, agg["min"], agg["max"], alpha=0.2)
+ax.axhline(cfg.success_level, ls="--", c="k", lw=0.8)
+ax.set_xlabel("env steps")
+ax.set_ylabel(cfg.metric)
+ax.legend(fontsize=7, ncol=2)
+runs.save_figure(fig, run_path, "learning_curves")
+plt.show()
+
+# %%
+runs.save_json(run_path / "summary.json", {"sweep_dir": str(folder), "rows": table.to_dict("records")})
+print(f"report written to {run_path.relative_to(outputs_root())}")

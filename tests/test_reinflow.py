@@ -1,0 +1,200 @@
+"""Stage 3 (ReinFlow): chain log-probs, the PPO ratio before an update, SMDP GAE, noise schedules,
+critic warm-up, and a two-iteration fine-tune in a real PickCube env."""
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from flowlib import bc, reinflow
+from flowlib.data import ChunkDataset, Episode
+from flowlib.envs import make_env
+from flowlib.tracking import Tracker
+
+OBS_DIM, ACT_DIM = 42, 4  # PickCube-v1, state obs, pd_ee_delta_pos
+
+
+def tiny_policy(seed=0):
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    eps = []
+    for _ in range(3):
+        T = 20
+        f = np.zeros(T, dtype=bool)
+        eps.append(Episode(rng.normal(size=(T + 1, OBS_DIM)).astype(np.float32),
+                           rng.uniform(-1, 1, size=(T, ACT_DIM)).astype(np.float32), np.zeros(T, np.float32),
+                           f, f.copy(), f.copy()))
+    dataset = ChunkDataset(eps, 2, 16)
+    cfg = bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8)
+    return bc.build_policy(bc.policy_meta(cfg, dataset, "pd_ee_delta_pos"), dataset.obs_normalizer,
+                           dataset.action_normalizer), dataset
+
+
+def tiny_agent(K=4, include_initial_noise=False):
+    policy, dataset = tiny_policy()
+    agent = reinflow.ReinFlowAgent(policy, K, min_noise_std=0.05, max_noise_std=0.3, value_hidden_dims=(16,),
+                                   include_initial_noise=include_initial_noise, noise_hidden=16)
+    obs = torch.stack([dataset[i][0] for i in range(5)])  # normalised windows; any raw values will do
+    return agent, obs
+
+
+@pytest.mark.parametrize("include_initial_noise", [False, True])
+def test_chain_log_prob_equals_a_closed_form_gaussian_computation(include_initial_noise):
+    agent, obs = tiny_agent(K=4, include_initial_noise=include_initial_noise)
+    chain, log_prob = agent.sample(obs, torch.Generator().manual_seed(1))
+    assert chain.shape == (5, 5, 16, ACT_DIM) and log_prob.shape == (5,)
+    # independent computation: step by step with torch.distributions, on linspace(0, 1, K + 1)
+    o = agent.obs_normalizer.normalize(obs)
+    expected = torch.zeros(5, dtype=torch.float64)
+    if include_initial_noise:
+        expected += torch.distributions.Normal(0.0, 1.0).log_prob(chain[:, 0].double()).flatten(1).sum(1)
+    with torch.no_grad():
+        for k, t in enumerate(np.linspace(0, 1, 5)[:-1]):
+            tt = torch.full((5,), float(t))
+            v = agent.actor.base(chain[:, k], tt, torch.full((5,), 0.25), o)
+            std = agent.actor.noise_net(tt, o.flatten(1))[:, None, :].expand_as(v)
+            mean = chain[:, k] + 0.25 * v
+            expected += torch.distributions.Normal(mean.double(), std.double()).log_prob(chain[:, k + 1].double()).flatten(1).sum(1)
+    assert torch.allclose(log_prob.double(), expected, rtol=1e-4, atol=1e-2)
+    with torch.no_grad():
+        rescored, entropy = agent.log_prob(obs, chain)
+    assert torch.allclose(rescored, log_prob, rtol=1e-5, atol=1e-3)
+    assert entropy.shape == (5,) and torch.isfinite(entropy).all()
+
+
+def test_noise_std_stays_in_its_bounds_and_follows_the_max():
+    agent, obs = tiny_agent()
+    o = agent.obs_normalizer.normalize(obs).flatten(1)
+    for max_std in (0.3, 0.1, 0.05):
+        agent.set_max_noise_std(max_std)
+        std = agent.actor.noise_net(torch.rand(5), o)
+        assert std.shape == (5, ACT_DIM) and (std >= 0.05 - 1e-7).all() and (std <= max_std + 1e-7).all()
+
+
+def test_deterministic_chain_is_the_ode_of_the_flow():
+    agent, obs = tiny_agent(K=4)
+    chain, _ = agent.sample(obs, torch.Generator().manual_seed(0), deterministic=True)
+    noise = chain[:, 0]
+    ode = agent.actor.base  # the flow's own Euler sampler, same grid and jump
+    x = noise
+    with torch.no_grad():
+        for k in range(4):
+            x = x + 0.25 * ode(x, torch.full((5,), k / 4), torch.full((5,), 0.25), agent.obs_normalizer.normalize(obs))
+    assert torch.allclose(chain[:, -1], x, atol=1e-6)
+    assert agent.act(obs).shape == (5, 8, ACT_DIM) and agent.act(obs).abs().max() <= 1
+
+
+def test_rescoring_on_another_time_grid_is_caught_by_the_ratio_check(monkeypatch):
+    agent, obs = tiny_agent()
+    cfg = reinflow.ReinFlowConfig(minibatch_size=4, update_epochs=1)
+    batch = fake_batch(agent, obs)
+    opt_a = torch.optim.Adam(agent.policy_parameters(), 1e-4)
+    opt_c = torch.optim.Adam(agent.value_parameters(), 1e-4)
+    reinflow.ppo_update(agent, batch, opt_a, opt_c, cfg)  # same grid: ratio == 1, no error
+    batch = fake_batch(agent, obs)
+    shifted = lambda K, device=None: torch.linspace(0, 1 - 1 / K, K + 1, device=device)  # the public bug
+    monkeypatch.setattr(reinflow, "time_grid", shifted)
+    with pytest.raises(RuntimeError, match="ratio .* before any update"):
+        reinflow.ppo_update(agent, batch, opt_a, opt_c, cfg)
+
+
+def fake_batch(agent, obs):
+    chain, log_prob = agent.sample(obs, torch.Generator().manual_seed(3))
+    n = len(obs)
+    return {"obs": obs, "chains": chain, "log_probs": log_prob, "values": torch.zeros(n),
+            "advantages": torch.randn(n), "returns": torch.randn(n)}
+
+
+def test_critic_warmup_leaves_the_policy_unchanged_and_trains_the_value():
+    agent, obs = tiny_agent()
+    before = {k: v.clone() for k, v in agent.actor.state_dict().items()}
+    value_before = [p.clone() for p in agent.value_parameters()]
+    cfg = reinflow.ReinFlowConfig(minibatch_size=5, update_epochs=2)
+    opt_a = torch.optim.Adam(agent.policy_parameters(), 1e-3)
+    opt_c = torch.optim.Adam(agent.value_parameters(), 1e-3)
+    stats = reinflow.ppo_update(agent, fake_batch(agent, obs), opt_a, opt_c, cfg, train_policy=False)
+    assert all(torch.equal(before[k], v) for k, v in agent.actor.state_dict().items())
+    assert any(not torch.equal(a, b) for a, b in zip(value_before, agent.value_parameters()))
+    assert "policy_loss" not in stats and stats["value_loss"] > 0
+    reinflow.ppo_update(agent, fake_batch(agent, obs), opt_a, opt_c, cfg, train_policy=True)
+    assert any(not torch.equal(before[k], v) for k, v in agent.actor.state_dict().items())
+
+
+def test_gae_matches_a_hand_worked_example_with_a_termination_and_a_truncation():
+    # one env, 4 decisions: d0 normal; d1 terminates mid-chunk (tau=3); d2 normal; d3 truncated (time limit)
+    g, lam = 0.9, 0.5
+    R = torch.tensor([[1.0], [2.0], [0.5], [1.5]])
+    V = torch.tensor([[10.0], [20.0], [30.0], [40.0]])
+    next_V = torch.tensor([[20.0], [99.0], [40.0], [7.0]])  # 99: after the termination, must be ignored
+    disc = torch.tensor([[g ** 8], [g ** 3], [g ** 8], [g ** 8]])
+    terminal = torch.tensor([[False], [True], [False], [False]])
+    ends = torch.tensor([[False], [True], [False], [True]])
+    adv, ret = reinflow.gae(R, V, next_V, disc, terminal, ends, lam)
+    d3 = 1.5 + g ** 8 * 7.0 - 40.0                 # truncation bootstraps from V(last obs)
+    d2 = 0.5 + g ** 8 * 40.0 - 30.0
+    d1 = 2.0 - 20.0                                  # termination: no bootstrap
+    d0 = 1.0 + g ** 8 * 20.0 - 10.0
+    A3 = d3
+    A2 = d2 + g ** 8 * lam * A3
+    A1 = d1                                          # the recursion stops at the episode end
+    A0 = d0 + g ** 8 * lam * A1
+    assert torch.allclose(adv.squeeze(1), torch.tensor([A0, A1, A2, A3]), atol=1e-5)
+    assert torch.allclose(ret, adv + V)
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("constant", (0.3, 0.3, 0.3)),
+    ("linear", (0.3, 0.155, 0.01)),
+    ("exp", (0.3, 0.01 + 0.29 * math.exp(-1.5), 0.01 + 0.29 * math.exp(-3))),
+])
+def test_noise_schedules_at_start_half_and_end(kind, expected):
+    got = [reinflow.noise_schedule(kind, p, 0.3, 0.01) for p in (0.0, 0.5, 1.0)]
+    assert got == pytest.approx(expected)
+    assert reinflow.noise_schedule(kind, 2.0, 0.3, 0.01) == pytest.approx(expected[2])  # past the end: held
+    with pytest.raises(ValueError, match="noise schedule"):
+        reinflow.noise_schedule("cosine", 0.5, 0.3, 0.01)
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="noise_schedule"):
+        reinflow.ReinFlowConfig(noise_schedule="cosine")
+    with pytest.raises(ValueError, match="min_noise_std"):
+        reinflow.ReinFlowConfig(min_noise_std=0.5, max_noise_std=0.3)
+
+
+def test_chain_of_wrong_shape_is_rejected():
+    agent, obs = tiny_agent(K=4)
+    with pytest.raises(ValueError, match=r"chain must be \[B, 5, 16, 4\]"):
+        agent.log_prob(obs, torch.zeros(5, 9, 16, ACT_DIM))
+    with pytest.raises(ValueError, match="max_steps"):
+        reinflow.ReinFlowAgent(tiny_policy()[0], num_inference_steps=16)  # ShortCut trained for 8
+
+
+def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path):
+    policy, dataset = tiny_policy()
+    path = tmp_path / "stage1.pt"
+    bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
+    cfg = reinflow.ReinFlowConfig(init_checkpoint=str(path), num_inference_steps=4, rollout_steps=3, update_epochs=2,
+                                  minibatch_size=4, total_env_steps=2 * 3 * 2 * 8, critic_warmup_steps=0,
+                                  max_episode_steps=20, eval_every=1, num_eval_episodes=2, value_hidden_dims=[16])
+    with make_env("PickCube-v1", 2, max_episode_steps=20) as env:
+        agent, how = reinflow.build_agent(cfg, reinflow.init_checkpoint_path(cfg), env.spec)
+        assert how == "fresh"
+        before = [p.clone() for p in agent.policy_parameters()]
+        tracker = Tracker(tmp_path / "run")
+        out = reinflow.train(cfg, agent, env, tmp_path / "run", tracker)
+    rows = tracker.rows
+    assert out["iterations"] == 2 and len(rows) == 2 and out["env_steps"] == 2 * 3 * 2 * 8
+    assert {"policy_loss", "value_loss", "approx_kl", "clip_frac", "explained_variance", "noise_std",
+            "rollout_time", "update_time", "env_steps_per_s"} <= set(rows[-1])
+    assert "eval/success_once" in rows[0] and rows[-1]["episodes"] >= 1  # 20-step episodes end inside 48 steps
+    assert any(not torch.equal(a, b) for a, b in zip(before, agent.policy_parameters()))
+    ckpt = reinflow.read_agent_checkpoint(tmp_path / "run" / "last.pt")
+    assert ckpt["iteration"] == 2 and ckpt["env_steps"] == 96
+    reloaded = reinflow.load_agent(tmp_path / "run" / "last.pt")
+    window = torch.randn(3, 2, OBS_DIM)
+    assert torch.equal(reloaded.act(window, generator=torch.Generator().manual_seed(0)),
+                       agent.act(window, generator=torch.Generator().manual_seed(0)))
+    with pytest.raises(ValueError, match="not a ReinFlow checkpoint"):
+        reinflow.read_agent_checkpoint(path)

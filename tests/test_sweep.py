@@ -1,0 +1,64 @@
+"""The ReinFlow ablation sweep: 22 valid parameter files, a dry-run plan, resumability, failures
+recorded without stopping the others, and the monitor."""
+import json
+from pathlib import Path
+
+import pytest
+
+from flowlib import sweep
+from flowlib.config import ConfigError, load_yaml
+from flowlib.runs import REPO_ROOT
+
+ABLATIONS = REPO_ROOT / "params" / "03_reinflow" / "ablations"
+
+
+def test_the_ablation_folder_holds_the_baseline_and_21_variants():
+    files = sorted(ABLATIONS.glob("*.yaml"))
+    assert len(files) == 22
+    base = load_yaml(ABLATIONS / "baseline.yaml")
+    assert base == load_yaml(REPO_ROOT / "params" / "03_reinflow" / "baseline.yaml")
+    for f in files:
+        if f.stem != "baseline":
+            changed = {k for k, v in load_yaml(f).items() if base.get(k) != v}
+            assert changed, f"{f.name} is identical to the baseline"
+
+
+def test_dry_run_lists_22_x_seeds_jobs_and_skips_finished_ones(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path))
+    jobs = sweep.plan("03_reinflow", ABLATIONS, [0, 1, 2])
+    assert len(jobs) == 66 and len({j.run_name for j in jobs}) == 66
+    done = jobs[5]
+    Path(done.out_dir).mkdir(parents=True)
+    (Path(done.out_dir) / "summary.json").write_text("{}")
+    out = sweep.run_sweep("03_reinflow", ABLATIONS, [0, 1, 2], dry_run=True)
+    assert out == {"jobs": 66, "todo": 65, "ran": []}
+    printed = capsys.readouterr().out
+    assert f"skip  {done.name}" in printed and "65 to run" in printed
+    assert not (tmp_path / "03_reinflow" / "ablations" / "sweep.json").exists()  # a dry run writes nothing
+
+
+def test_a_bad_parameter_file_stops_the_plan_before_anything_runs(tmp_path):
+    (tmp_path / "ok.yaml").write_text("ent_coef: 0.02\n")
+    (tmp_path / "typo.yaml").write_text("ent_coeff: 0.02\n")
+    with pytest.raises(ConfigError, match="ent_coeff.*did you mean 'ent_coef'"):
+        sweep.plan("03_reinflow", tmp_path, [0])
+    with pytest.raises(ConfigError, match="no \\*.yaml"):
+        sweep.plan("03_reinflow", tmp_path / "empty", [0])
+
+
+def test_a_failing_job_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "out"))
+    params = tmp_path / "params"
+    params.mkdir()
+    # both runs fail fast and for real (no stage-1 checkpoint in this outputs root): each is recorded
+    (params / "a.yaml").write_text("init_checkpoint: missing/best_model.pt\n")
+    (params / "b.yaml").write_text("init_checkpoint: also_missing/best_model.pt\n")
+    out = sweep.run_sweep("03_reinflow", params, [0], max_jobs=1)
+    assert [r["status"] for r in out["ran"]] == ["failed", "failed"]
+    for name in ("a_seed0", "b_seed0"):
+        error = (tmp_path / "out" / "03_reinflow" / "params" / name / "error.txt").read_text()
+        assert "not found" in error and "run notebook 01" in error
+    rows = sweep.monitor(tmp_path / "out" / "03_reinflow" / "params")
+    assert [r["status"] for r in rows] == ["failed", "failed"]
+    with pytest.raises(FileNotFoundError, match="sweep folder"):
+        sweep.monitor(tmp_path)
