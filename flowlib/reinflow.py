@@ -130,8 +130,10 @@ class ReinFlowAgent(nn.Module):
 
     def __init__(self, policy, num_inference_steps: int = 8, min_noise_std: float = 0.01,
                  max_noise_std: float = 0.3, value_hidden_dims: tuple[int, ...] = (256, 256),
-                 include_initial_noise: bool = False, noise_hidden: int = 128):
+                 include_initial_noise: bool = False, noise_hidden: int = 128, log_prob_over: str = "chunk"):
         super().__init__()
+        if log_prob_over not in ("chunk", "executed"):
+            raise ValueError(f"log_prob_over must be 'chunk' or 'executed', got {log_prob_over!r}")
         meta = policy.meta
         flow = policy.flow
         flow.jump(1.0 / num_inference_steps)  # rejects K beyond what the ShortCut net was trained for
@@ -146,7 +148,23 @@ class ReinFlowAgent(nn.Module):
         self.actor = NoisyVelocityUNet1D(flow.net, ExploreNoiseNet(obs_in, self.action_dim, min_noise_std,
                                                                    max_noise_std, hidden=noise_hidden))
         self.value_net = mlp([obs_in, *value_hidden_dims, 1], act=nn.Mish)
-        self.include_initial_noise = include_initial_noise
+        self.include_initial_noise, self.log_prob_over = include_initial_noise, log_prob_over
+
+    def _scored(self, x: torch.Tensor) -> torch.Tensor:
+        """The dims that enter the log-prob: the whole chunk ``[.., H, A]``, or only the ``Ta`` executed
+        actions (the others never reach the env; their likelihood ratio only adds variance)."""
+        if self.log_prob_over == "chunk":
+            return x
+        start = self.obs_horizon - 1
+        return x[:, start:start + self.act_horizon]
+
+    def _step_log_prob(self, x_next, mean, noise_std):  # [B, H, A] x2, [B, A] -> [B]
+        std = noise_std[:, None, :].expand_as(mean)
+        return gaussian_log_prob(self._scored(x_next), self._scored(mean), self._scored(std))
+
+    def _initial_log_prob(self, x0):
+        x0 = self._scored(x0)
+        return gaussian_log_prob(x0, torch.zeros_like(x0), torch.ones_like(x0))
 
     # parameter groups
     def policy_parameters(self):
@@ -179,15 +197,14 @@ class ReinFlowAgent(nn.Module):
         x = torch.randn(B, self.pred_horizon, self.action_dim, generator=generator).to(device)
         grid, d = self._grid(B, device)
         chain = [x]
-        log_prob = gaussian_log_prob(x, torch.zeros_like(x), torch.ones_like(x)) if self.include_initial_noise \
-            else torch.zeros(B, device=device)
+        log_prob = self._initial_log_prob(x) if self.include_initial_noise else torch.zeros(B, device=device)
         for k in range(self.K):
             t = grid[k].expand(B)
             velocity, noise, noise_std = self.actor(x, t, d, o, generator)
             mean = x + velocity / self.K
             x = mean if deterministic else mean + noise
             if not deterministic:
-                log_prob = log_prob + gaussian_log_prob(x, mean, noise_std[:, None, :].expand_as(x))
+                log_prob = log_prob + self._step_log_prob(x, mean, noise_std)
             chain.append(x)
         return torch.stack(chain, 1), log_prob
 
@@ -207,11 +224,9 @@ class ReinFlowAgent(nn.Module):
         t = grid[:-1].repeat(B)                                                      # [B*K]
         o_rep = o.repeat_interleave(K, 0)
         velocity, _, noise_std = self.actor(x, t, d.repeat_interleave(K), o_rep)
-        std = noise_std[:, None, :].expand_as(x)
-        log_prob = gaussian_log_prob(x_next, x + velocity / K, std).reshape(B, K).sum(1)
+        log_prob = self._step_log_prob(x_next, x + velocity / K, noise_std).reshape(B, K).sum(1)
         if self.include_initial_noise:
-            x0 = chain[:, 0]
-            log_prob = log_prob + gaussian_log_prob(x0, torch.zeros_like(x0), torch.ones_like(x0))
+            log_prob = log_prob + self._initial_log_prob(chain[:, 0])
         entropy = (0.5 * (1 + LOG_2PI) + torch.log(noise_std)).reshape(B, -1).mean(1)
         return log_prob, entropy
 
@@ -309,6 +324,7 @@ class ReinFlowConfig:
     noise_schedule: str = "linear"      # constant / linear / exp
     noise_decay_steps: int = 512        # env steps over which max_noise_std decays
     include_initial_noise: bool = False
+    log_prob_over: str = "chunk"        # "chunk": all H x A dims of each step; "executed": the Ta executed actions
     # PPO
     total_env_steps: int = 512
     rollout_steps: int = 8              # decisions per env per iteration
@@ -344,6 +360,7 @@ class ReinFlowConfig:
     def __post_init__(self):
         require([
             (self.reward in ("sparse", "dense"), f"reward must be 'sparse' or 'dense', got {self.reward!r}"),
+            (self.log_prob_over in ("chunk", "executed"), f"log_prob_over must be 'chunk' or 'executed', got {self.log_prob_over!r}"),
             (self.noise_schedule in ("constant", "linear", "exp"),
              f"noise_schedule must be 'constant', 'linear' or 'exp', got {self.noise_schedule!r}"),
             (0 < self.min_noise_std <= min(self.max_noise_std, self.final_noise_std),
@@ -547,7 +564,7 @@ def build_agent(cfg: ReinFlowConfig, path: Path, spec=None) -> tuple[ReinFlowAge
 
     policy, critic = load_from_aw_shortcut_flow(path, spec)
     agent = ReinFlowAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
-                          tuple(cfg.value_hidden_dims), cfg.include_initial_noise)
+                          tuple(cfg.value_hidden_dims), cfg.include_initial_noise, log_prob_over=cfg.log_prob_over)
     how = "fresh"
     if cfg.warm_start_value and critic is not None and hasattr(critic, "value_net"):
         try:
@@ -582,7 +599,7 @@ def load_agent(path: str | Path) -> ReinFlowAgent:
     ckpt = read_agent_checkpoint(path)
     cfg = ReinFlowConfig(**{k: v for k, v in ckpt["config"].items()})
     agent = ReinFlowAgent(bc.build_policy(ckpt["meta"]), cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
-                          tuple(cfg.value_hidden_dims), cfg.include_initial_noise)
+                          tuple(cfg.value_hidden_dims), cfg.include_initial_noise, log_prob_over=cfg.log_prob_over)
     agent.load_state_dict(ckpt["agent"])
     return agent.eval()
 

@@ -31,31 +31,34 @@ def tiny_policy(seed=0):
                            dataset.action_normalizer), dataset
 
 
-def tiny_agent(K=4, include_initial_noise=False):
+def tiny_agent(K=4, include_initial_noise=False, log_prob_over="chunk"):
     policy, dataset = tiny_policy()
     agent = reinflow.ReinFlowAgent(policy, K, min_noise_std=0.05, max_noise_std=0.3, value_hidden_dims=(16,),
-                                   include_initial_noise=include_initial_noise, noise_hidden=16)
+                                   include_initial_noise=include_initial_noise, noise_hidden=16,
+                                   log_prob_over=log_prob_over)
     obs = torch.stack([dataset[i][0] for i in range(5)])  # normalised windows; any raw values will do
     return agent, obs
 
 
-@pytest.mark.parametrize("include_initial_noise", [False, True])
-def test_chain_log_prob_equals_a_closed_form_gaussian_computation(include_initial_noise):
-    agent, obs = tiny_agent(K=4, include_initial_noise=include_initial_noise)
+@pytest.mark.parametrize("include_initial_noise, log_prob_over", [(False, "chunk"), (True, "chunk"), (True, "executed")])
+def test_chain_log_prob_equals_a_closed_form_gaussian_computation(include_initial_noise, log_prob_over):
+    agent, obs = tiny_agent(K=4, include_initial_noise=include_initial_noise, log_prob_over=log_prob_over)
+    dims = slice(1, 9) if log_prob_over == "executed" else slice(None)  # To - 1 = 1, Ta = 8
     chain, log_prob = agent.sample(obs, torch.Generator().manual_seed(1))
     assert chain.shape == (5, 5, 16, ACT_DIM) and log_prob.shape == (5,)
     # independent computation: step by step with torch.distributions, on linspace(0, 1, K + 1)
     o = agent.obs_normalizer.normalize(obs)
     expected = torch.zeros(5, dtype=torch.float64)
     if include_initial_noise:
-        expected += torch.distributions.Normal(0.0, 1.0).log_prob(chain[:, 0].double()).flatten(1).sum(1)
+        expected += torch.distributions.Normal(0.0, 1.0).log_prob(chain[:, 0, dims].double()).flatten(1).sum(1)
     with torch.no_grad():
         for k, t in enumerate(np.linspace(0, 1, 5)[:-1]):
             tt = torch.full((5,), float(t))
             v = agent.actor.base(chain[:, k], tt, torch.full((5,), 0.25), o)
             std = agent.actor.noise_net(tt, o.flatten(1))[:, None, :].expand_as(v)
             mean = chain[:, k] + 0.25 * v
-            expected += torch.distributions.Normal(mean.double(), std.double()).log_prob(chain[:, k + 1].double()).flatten(1).sum(1)
+            normal = torch.distributions.Normal(mean[:, dims].double(), std[:, dims].double())
+            expected += normal.log_prob(chain[:, k + 1, dims].double()).flatten(1).sum(1)
     assert torch.allclose(log_prob.double(), expected, rtol=1e-4, atol=1e-2)
     with torch.no_grad():
         rescored, entropy = agent.log_prob(obs, chain)
