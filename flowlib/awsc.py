@@ -35,7 +35,7 @@ from . import bc
 from .config import require
 from .critic import ChunkCritic, ChunkTransitions, critic_from_state
 from .data import Episode, demo_dir, load_demos, save_episodes
-from .runs import outputs_root
+from .runs import policy_checkpoint
 
 
 ROLLOUT_SEED = 1_000_000  # env seeds of the stage-1 rollouts start here (demos from 0, evaluations 10_000+)
@@ -108,15 +108,7 @@ class AWShortCutConfig:
 
 
 def stage1_checkpoint_path(cfg: AWShortCutConfig) -> Path:
-    """``stage1_checkpoint``: absolute, or relative to the outputs root (``01_shortcut_bc/cpu/best_model.pt``);
-    empty means notebook 01's default run."""
-    path = Path(cfg.stage1_checkpoint or "01_shortcut_bc/default/best_model.pt")
-    if not path.is_absolute():
-        path = outputs_root() / path
-    if not path.is_file():
-        raise FileNotFoundError(f"stage-1 checkpoint {path} not found: run notebook 01 first "
-                                "(python -m flowlib.run 01_shortcut_bc) or set stage1_checkpoint to a best_model.pt")
-    return path
+    return policy_checkpoint(cfg.stage1_checkpoint, "stage1_checkpoint")
 
 
 def check_data_fits(meta: dict[str, Any], episodes: list[Episode], env_id: str) -> None:

@@ -210,12 +210,13 @@ def evaluate(policy: FlowPolicy, env, num_episodes: int, num_inference_steps: in
         while t < env.max_episode_steps:
             tp = time.time()
             window = torch.stack(list(history), dim=1).to(device)  # [N, To, O]
-            actions = policy.act(window, num_inference_steps, gen).cpu()  # [N, Ta, A]
+            actions = policy.act(window, num_inference_steps, gen).to(env.device)  # [N, Ta, A]
             if action_noise_std > 0:
-                actions = (actions + action_noise_std * torch.randn(actions.shape, generator=gen)).clamp(-1, 1)
+                noise = torch.randn(actions.shape, generator=gen).to(env.device)
+                actions = (actions + action_noise_std * noise).clamp(-1, 1)
             policy_time += time.time() - tp
             for a in actions.unbind(1):
-                obs, reward, _, truncated, success = env.step(a.to(env.device))
+                obs, reward, _, truncated, success = env.step(a)
                 history.append(obs)
                 ep_once |= success.cpu()
                 ep_return += reward.cpu()

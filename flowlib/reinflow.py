@@ -44,7 +44,7 @@ from . import bc
 from .config import require
 from .flows import time_grid
 from .nets import SinusoidalEmbedding, mlp
-from .runs import outputs_root, save_torch
+from .runs import policy_checkpoint, save_torch
 
 LOG_2PI = math.log(2 * math.pi)
 
@@ -136,7 +136,6 @@ class ReinFlowAgent(nn.Module):
             raise ValueError(f"log_prob_over must be 'chunk' or 'executed', got {log_prob_over!r}")
         meta = policy.meta
         flow = policy.flow
-        flow.jump(1.0 / num_inference_steps)  # rejects K beyond what the ShortCut net was trained for
         if flow.ema is not None:
             flow.net.load_state_dict(flow.ema.module.state_dict())
         self.meta, self.K = meta, num_inference_steps
@@ -144,7 +143,7 @@ class ReinFlowAgent(nn.Module):
         self.obs_horizon, self.pred_horizon, self.act_horizon = meta["obs_horizon"], meta["pred_horizon"], meta["act_horizon"]
         self.action_dim, self.obs_dim = meta["action_dim"], meta["obs_dim"]
         obs_in = self.obs_horizon * self.obs_dim
-        self.d = flow.jump(1.0 / num_inference_steps)
+        self.d = flow.jump(1.0 / num_inference_steps)  # rejects K beyond what the ShortCut net was trained for
         self.actor = NoisyVelocityUNet1D(flow.net, ExploreNoiseNet(obs_in, self.action_dim, min_noise_std,
                                                                    max_noise_std, hidden=noise_hidden))
         self.value_net = mlp([obs_in, *value_hidden_dims, 1], act=nn.Mish)
@@ -287,6 +286,7 @@ class RolloutBuffer:
     next_values: torch.Tensor   # [T, N]  V(s_{t+tau})
     terminal: torch.Tensor      # [T, N]  bool
     ends: torch.Tensor          # [T, N]  bool (terminated or truncated)
+    policy_time: float = 0.0    # seconds of the rollout spent in the policy (chain, values)
 
     def flat(self, advantages: torch.Tensor, returns: torch.Tensor) -> dict[str, torch.Tensor]:
         n = self.rewards.numel()
@@ -452,19 +452,34 @@ class ChunkRunner:
 @torch.no_grad()
 def collect(agent: ReinFlowAgent, runner: ChunkRunner, num_decisions: int,
             generator: torch.Generator | None = None) -> RolloutBuffer:
-    """``num_decisions`` chunk decisions of every env with the noisy chain (ReinFlow Alg. 1, rollout)."""
+    """``num_decisions`` chunk decisions of every env with the noisy chain (ReinFlow Alg. 1, rollout).
+
+    ``V`` is evaluated once per window: the value after a chunk is the next decision's value, except
+    in envs that ended and were reset.  The buffer's ``policy_time`` is the policy's share of the wall time.
+    """
     device = next(agent.parameters()).device
-    rows = []
+    rows, policy_time, value = [], 0.0, None
     for _ in range(num_decisions):
+        tp = time.time()
         window = runner.window.to(device)
         chain, log_prob = agent.sample(window, generator)
-        value = agent.value(window)
-        out = runner.step_chunk(agent.actions(chain).cpu())
-        next_value = agent.value(out["next_window"].to(device))
+        if value is None:
+            value = agent.value(window)
+        actions = agent.actions(chain).cpu()
+        policy_time += time.time() - tp
+        out = runner.step_chunk(actions)
+        tp = time.time()
+        next_value = agent.value(out["next_window"].to(device))  # V(s_{t+tau}); for an ended env, its last window
+        value_after = next_value.clone()
+        if out["end"].any():
+            end = out["end"].to(device)
+            value_after[end] = agent.value(runner.window.to(device)[end])  # the reset envs' first windows
+        policy_time += time.time() - tp
         rows.append({"obs": window.cpu(), "chains": chain.cpu(), "log_probs": log_prob.cpu(), "values": value.cpu(),
                      "rewards": out["reward"], "discounts": out["discount"], "next_values": next_value.cpu(),
                      "terminal": out["terminal"], "ends": out["end"]})
-    return RolloutBuffer(**{k: torch.stack([r[k] for r in rows]) for k in rows[0]})
+        value = value_after
+    return RolloutBuffer(**{k: torch.stack([r[k] for r in rows]) for k in rows[0]}, policy_time=policy_time)
 
 
 # --------------------------------------------------------------------------- PPO
@@ -547,14 +562,12 @@ CHECKPOINT_FORMAT = "flowlib.reinflow/1"
 
 
 def init_checkpoint_path(cfg: ReinFlowConfig) -> Path:
-    """``init_checkpoint``: absolute, or relative to the outputs root; "" = notebook 01's default run."""
-    path = Path(cfg.init_checkpoint or "01_shortcut_bc/default/best_model.pt")
-    if not path.is_absolute():
-        path = outputs_root() / path
-    if not path.is_file():
-        raise FileNotFoundError(f"initial checkpoint {path} not found: run notebook 01 (or 02) first "
-                                "(python -m flowlib.run 01_shortcut_bc) or set init_checkpoint to a best_model.pt")
-    return path
+    return policy_checkpoint(cfg.init_checkpoint, "init_checkpoint")
+
+
+def _agent(policy, cfg: ReinFlowConfig) -> ReinFlowAgent:
+    return ReinFlowAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
+                         tuple(cfg.value_hidden_dims), cfg.include_initial_noise, log_prob_over=cfg.log_prob_over)
 
 
 def build_agent(cfg: ReinFlowConfig, path: Path, spec=None) -> tuple[ReinFlowAgent, str]:
@@ -563,8 +576,7 @@ def build_agent(cfg: ReinFlowConfig, path: Path, spec=None) -> tuple[ReinFlowAge
     from .awsc import load_from_aw_shortcut_flow  # stage 2 imports bc; keep the import graph one-way
 
     policy, critic = load_from_aw_shortcut_flow(path, spec)
-    agent = ReinFlowAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
-                          tuple(cfg.value_hidden_dims), cfg.include_initial_noise, log_prob_over=cfg.log_prob_over)
+    agent = _agent(policy, cfg)
     how = "fresh"
     if cfg.warm_start_value and critic is not None and hasattr(critic, "value_net"):
         try:
@@ -597,9 +609,7 @@ def read_agent_checkpoint(path: str | Path) -> dict:
 def load_agent(path: str | Path) -> ReinFlowAgent:
     """A fine-tuned agent from a ReinFlow checkpoint (``last.pt`` / ``best_model.pt``), in eval mode."""
     ckpt = read_agent_checkpoint(path)
-    cfg = ReinFlowConfig(**{k: v for k, v in ckpt["config"].items()})
-    agent = ReinFlowAgent(bc.build_policy(ckpt["meta"]), cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
-                          tuple(cfg.value_hidden_dims), cfg.include_initial_noise, log_prob_over=cfg.log_prob_over)
+    agent = _agent(bc.build_policy(ckpt["meta"]), ReinFlowConfig(**ckpt["config"]))
     agent.load_state_dict(ckpt["agent"])
     return agent.eval()
 
@@ -667,7 +677,8 @@ def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracke
         update_time = time.time() - t1
         episodes = runner.pop_finished()
         row = {"iteration": iteration + 1, "max_noise_std": max_std, "critic_warmup": float(warmup),
-               "episodes": len(episodes), "rollout_time": rollout_time, "update_time": update_time,
+               "episodes": len(episodes), "rollout_time": rollout_time, "rollout_policy_time": buf.policy_time,
+               "update_time": update_time,
                "env_steps_per_s": per_iter / max(rollout_time, 1e-9),
                "explained_variance": explained_variance(buf.values.flatten(), returns.flatten()), **stats}
         if "entropy" in stats:  # geometric-mean noise std from the Gaussian entropy
@@ -708,30 +719,17 @@ def peak_memory_mb() -> float:
 
 def overhead(agent: ReinFlowAgent, env, decisions: int = 8, seed: int = 0) -> dict[str, float]:
     """Time per env step of the raw simulator (random actions) vs of the policy's share in the loop
-    (noisy chain sampling, value, log-prob bookkeeping), from ``decisions`` chunk decisions of each."""
-    device = next(agent.parameters()).device
+    (``collect``: noisy chain sampling, values, bookkeeping), from ``decisions`` chunk decisions of each."""
     N, Ta = env.num_envs, agent.act_horizon
+    steps = decisions * Ta * N
     env.reset(seed=seed)
     t0 = time.time()
     for _ in range(decisions * Ta):
         env.step(torch.rand(N, env.spec.action_dim, device=env.device) * 2 - 1)
-    raw = (time.time() - t0) / (decisions * Ta * N)
+    raw = (time.time() - t0) / steps
     runner = ChunkRunner(env, agent.obs_horizon, 0.99, first_seed=seed)
-    gen = torch.Generator().manual_seed(seed)
-    policy_time, t0 = 0.0, time.time()
-    with torch.no_grad():
-        for _ in range(decisions):
-            tp = time.time()
-            window = runner.window.to(device)
-            chain, log_prob = agent.sample(window, gen)
-            agent.value(window)
-            actions = agent.actions(chain).cpu()
-            policy_time += time.time() - tp
-            out = runner.step_chunk(actions)
-            tp = time.time()
-            agent.value(out["next_window"].to(device))
-            policy_time += time.time() - tp
+    t0 = time.time()
+    buf = collect(agent, runner, decisions, torch.Generator().manual_seed(seed))
     total = time.time() - t0
-    steps = decisions * Ta * N
-    return {"num_envs": N, "raw_step_ms": 1e3 * raw, "policy_ms_per_env_step": 1e3 * policy_time / steps,
-            "overhead_fraction": (policy_time / steps) / raw, "loop_env_steps_per_s": steps / total}
+    return {"num_envs": N, "raw_step_ms": 1e3 * raw, "policy_ms_per_env_step": 1e3 * buf.policy_time / steps,
+            "overhead_fraction": (buf.policy_time / steps) / raw, "loop_env_steps_per_s": steps / total}

@@ -33,6 +33,18 @@ def run_dir(notebook: str, run_name: str) -> Path:
     return path
 
 
+def policy_checkpoint(value: str, key: str) -> Path:
+    """The stage-1/2 ``best_model.pt`` a parameter ``key`` names: absolute, or relative to the outputs
+    root (``01_shortcut_bc/cpu/best_model.pt``); empty means notebook 01's default run."""
+    path = Path(value or "01_shortcut_bc/default/best_model.pt")
+    if not path.is_absolute():
+        path = outputs_root() / path
+    if not path.is_file():
+        raise FileNotFoundError(f"{key}: checkpoint {path} not found: run notebook 01 first "
+                                f"(python -m flowlib.run 01_shortcut_bc) or set {key} to a best_model.pt")
+    return path
+
+
 def _atomic_write(path: Path, write) -> Path:
     """Write to a temporary file in the same folder, then rename over ``path`` (atomic on POSIX)."""
     path = Path(path)

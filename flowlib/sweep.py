@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .config import ConfigError, load_yaml
+from .config import ConfigError
 from .run import config_class, resolve_parameters
 from .runs import REPO_ROOT, outputs_root, save_json
 

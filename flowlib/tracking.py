@@ -7,12 +7,15 @@ W&B is off by default (``wandb_mode="disabled"``).  ``"offline"`` writes a W&B r
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import time
 from pathlib import Path
 from typing import Any
 
-from .runs import save_json
+import torch
+
+from .runs import run_dir, save_json, save_params
 
 WANDB_MODES = ("disabled", "offline", "online")
 
@@ -82,3 +85,17 @@ class Tracker:
 
 def _plain(v):
     return v.item() if hasattr(v, "item") else v
+
+
+def start_run(notebook: str, cfg) -> tuple[Path, Tracker]:
+    """Begin a notebook's run: torch threads (``cfg.num_threads``, 0 = torch's default) and seed, the
+    folder ``outputs/<notebook>/<run_name>/`` with the resolved ``params.yaml``, and its ``Tracker``
+    (a resumed run, with ``cfg.resume``, keeps its metrics)."""
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    torch.manual_seed(cfg.seed)
+    run_path = run_dir(notebook, cfg.run_name)
+    save_params(run_path, cfg)
+    tracker = Tracker(run_path, dataclasses.asdict(cfg), wandb_mode=cfg.wandb_mode,
+                      project=f"flowlib-{notebook.split('_')[0]}", resume=cfg.resume)
+    return run_path, tracker

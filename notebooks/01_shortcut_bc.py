@@ -52,7 +52,7 @@ import torch
 from flowlib import bc, config, runs
 from flowlib.data import ChunkDataset, check_held_out, generate_demos, load_demos
 from flowlib.envs import make_env
-from flowlib.tracking import Tracker
+from flowlib.tracking import start_run
 
 # %% tags=["parameters"]
 # Defaults: the small CPU run (minutes; the policy will not solve the task yet).
@@ -92,12 +92,7 @@ wandb_mode = "disabled"
 
 # %%
 cfg = config.from_globals(bc.ShortCutBCConfig, globals())
-if cfg.num_threads:
-    torch.set_num_threads(cfg.num_threads)
-torch.manual_seed(cfg.seed)
-run_path = runs.run_dir("01_shortcut_bc", cfg.run_name)
-runs.save_params(run_path, cfg)
-tracker = Tracker(run_path, config.to_dict(cfg), wandb_mode=cfg.wandb_mode, project="flowlib-01", resume=cfg.resume)
+run_path, tracker = start_run("01_shortcut_bc", cfg)
 print(f"run folder: outputs/01_shortcut_bc/{cfg.run_name}")
 
 # %% [markdown]

@@ -48,7 +48,6 @@
 
 # %%
 import dataclasses
-import json
 import time
 
 import matplotlib.pyplot as plt
@@ -59,7 +58,7 @@ import torch
 from flowlib import awsc, bc, config, critic as critics, runs
 from flowlib.data import ChunkDataset, check_held_out, generate_demos, load_demos
 from flowlib.envs import make_env
-from flowlib.tracking import Tracker
+from flowlib.tracking import Tracker, start_run
 
 # %% tags=["parameters"]
 # Defaults: the small CPU run (minutes), starting from notebook 01's default checkpoint.
@@ -109,12 +108,7 @@ wandb_mode = "disabled"
 
 # %%
 cfg = config.from_globals(awsc.AWShortCutConfig, globals())
-if cfg.num_threads:
-    torch.set_num_threads(cfg.num_threads)
-torch.manual_seed(cfg.seed)
-run_path = runs.run_dir("02_aw_shortcut", cfg.run_name)
-runs.save_params(run_path, cfg)
-tracker = Tracker(run_path, config.to_dict(cfg), wandb_mode=cfg.wandb_mode, project="flowlib-02", resume=cfg.resume)
+run_path, tracker = start_run("02_aw_shortcut", cfg)
 stage1_path = awsc.stage1_checkpoint_path(cfg)
 stage1 = bc.load_policy(stage1_path)
 print(f"run folder: outputs/02_aw_shortcut/{cfg.run_name}; stage 1: {stage1_path.parent.name}/{stage1_path.name}")

@@ -60,7 +60,7 @@ import torch
 
 from flowlib import bc, config, reinflow, runs
 from flowlib.envs import make_env
-from flowlib.tracking import Tracker
+from flowlib.tracking import start_run
 
 # %% tags=["parameters"]
 # Defaults: a short CPU run from notebook 01's default checkpoint (minutes; it shows the machinery,
@@ -112,12 +112,7 @@ wandb_mode = "disabled"
 
 # %%
 cfg = config.from_globals(reinflow.ReinFlowConfig, globals())
-if cfg.num_threads:
-    torch.set_num_threads(cfg.num_threads)
-torch.manual_seed(cfg.seed)
-run_path = runs.run_dir("03_reinflow", cfg.run_name)
-runs.save_params(run_path, cfg)
-tracker = Tracker(run_path, config.to_dict(cfg), wandb_mode=cfg.wandb_mode, project="flowlib-03", resume=cfg.resume)
+run_path, tracker = start_run("03_reinflow", cfg)
 init_path = reinflow.init_checkpoint_path(cfg)
 env = make_env(cfg.env_id, cfg.num_envs, max_episode_steps=cfg.max_episode_steps, backend=cfg.backend)
 agent, value_init = reinflow.build_agent(cfg, init_path, env.spec)
