@@ -4,14 +4,17 @@ Modules (each with one job):
     flows     ReFlow, MeanFlow, ShortCut; the time convention (t = 0 noise, t = 1 data); the sampler
     nets      velocity networks with the interface net(x, t, d, obs)
     metrics   distances between sample sets (sliced Wasserstein)
-    toy2d     2D targets and the notebook-00 experiment
+    toy2d     2D targets, the exact velocity of a Gaussian mixture, the notebook-00 experiment
     unet      ShortCutVelocityUNet1D, the 1D temporal U-Net over action chunks
     envs      ManiSkill3 envs, batched torch interface (physx_cuda or AsyncVectorEnv on CPU)
     data      motion-planning demos, trajectory files, normalisers, chunk windows
     bc        stage 1: ShortCut BC policy, training loop, checkpoints, evaluation
     critic    chunk-level semi-MDP transitions, IQL / Monte-Carlo critics, AWR weights
     awsc      stage 2: AW-ShortCut data with contrast, load_from_aw_shortcut_flow
-    reinflow  stage 3: noisy denoising chain, chain log-probs, SMDP rollouts and GAE, PPO, benchmarks
+    flow_sde  stochastic denoising steps: score from velocity, Flow-SDE, Flow-CPS, learned noise, hybrid masks
+    ppo       the PPO toolkit: GAE / MC / n-step / GRPO advantages, dual clip, Huber value clip, the update
+    reinflow  stage 3: the agent for every noise method, SMDP rollouts, training, checkpoints, benchmarks
+    pirl      notebook 04's study: 2D marginal and log-prob tables, the noise-method comparison
     sweep     `python -m flowlib.sweep run|monitor`: notebook x params folder x seeds; the sweep report
     config    typed, validated parameters (unknown keys and wrong types rejected)
     runs      run folders under outputs/, atomic writes

@@ -72,6 +72,22 @@ def _make_cpu_env(env_id, obs_mode, control_mode, reward_mode, max_episode_steps
     return CPUGymWrapper(env, ignore_terminations=True)
 
 
+def _steppable_sync_vector_env():
+    """gymnasium's SyncVectorEnv for one in-process env, able to step an env whose episode ended."""
+    import gymnasium as gym
+
+    class SteppableSyncVectorEnv(gym.vector.SyncVectorEnv):
+        """One env in this process (no IPC).  Gymnasium's SyncVectorEnv with autoreset off asserts when an
+        ended env is stepped; chunked rollouts step every env to the chunk's end (as AsyncVectorEnv allows),
+        and ManiSkill keeps simulating (terminations ignored, ``truncated`` stays true): drop the flag."""
+
+        def step(self, actions):
+            self._autoreset_envs[:] = False
+            return super().step(actions)
+
+    return SteppableSyncVectorEnv
+
+
 class ManiSkillVecEnv:
     """``num_envs`` ManiSkill envs with a batched torch interface (see module docstring)."""
 
@@ -99,7 +115,7 @@ class ManiSkillVecEnv:
 
             make = functools.partial(_make_cpu_env, env_id, obs_mode, control_mode, reward_mode,
                                      self.max_episode_steps, render)
-            cls = gym.vector.SyncVectorEnv if num_envs == 1 else gym.vector.AsyncVectorEnv
+            cls = _steppable_sync_vector_env() if num_envs == 1 else gym.vector.AsyncVectorEnv
             # spawn, not fork: forking a process that already runs torch threads can deadlock
             kwargs = {} if num_envs == 1 else {"daemon": True, "context": "spawn"}
             self.env = cls([make] * num_envs, autoreset_mode=AutoresetMode.DISABLED, **kwargs)
@@ -109,8 +125,11 @@ class ManiSkillVecEnv:
     def _tensor(self, x, dtype=torch.float32) -> torch.Tensor:
         return torch.as_tensor(np.asarray(x) if not torch.is_tensor(x) else x, dtype=dtype).to(self.device)
 
-    def reset(self, seed: int | None = None) -> torch.Tensor:
-        """Start ``num_envs`` new episodes; env ``i`` is seeded with ``seed + i``. Returns obs ``[N, O]``."""
+    def reset(self, seed: int | list[int] | None = None) -> torch.Tensor:
+        """Start ``num_envs`` new episodes; env ``i`` is seeded with ``seed + i`` (or ``seed[i]`` for a list;
+        on physx_cuda a list needs a ManiSkill whose ``reset`` takes one seed per env). Returns obs ``[N, O]``."""
+        if isinstance(seed, list) and len(seed) != self.num_envs:
+            raise ValueError(f"a seed list needs {self.num_envs} entries (one per env), got {len(seed)}")
         obs, _ = self.env.reset(seed=seed)
         return self._tensor(obs).reshape(self.num_envs, -1)
 

@@ -40,13 +40,14 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from . import bc
+from . import bc, ppo
 from .config import require
+from .flow_sde import (LEARNED_NOISE, LOG_2PI, METHODS, check_method, full_mask, gaussian_log_prob, hybrid_mask,
+                       sample_chain, stochastic_steps, transition)
 from .flows import time_grid
 from .nets import SinusoidalEmbedding, mlp
+from .ppo import explained_variance, gae, ppo_update  # noqa: F401  (the PPO toolkit lives in flowlib.ppo)
 from .runs import policy_checkpoint, save_torch
-
-LOG_2PI = math.log(2 * math.pi)
 
 
 # --------------------------------------------------------------------------- noise
@@ -110,30 +111,41 @@ def noise_schedule(kind: str, progress: float, init: float, final: float) -> flo
     raise ValueError(f"noise schedule must be 'constant', 'linear' or 'exp', got {kind!r}")
 
 
-def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """``sum log N(x; mean, std^2)`` over every non-batch dim: ``[B, ...] -> [B]``."""
-    z = (x - mean) / std
-    return (-0.5 * z.pow(2) - torch.log(std) - 0.5 * LOG_2PI).flatten(1).sum(1)
-
-
 # --------------------------------------------------------------------------- agent
 
 
 class ReinFlowAgent(nn.Module):
-    """Flow policy (a stage-1/2 ``FlowPolicy``) + ``ExploreNoiseNet`` + value net ``V(o)``.
+    """Flow policy (a stage-1/2 ``FlowPolicy``) + noise + value net: the agent of stage 3 for every noise method.
 
-    ``sample`` runs the noisy chain and returns it (``[B, K+1, H, A]``, normalised) with its
-    log-prob; ``log_prob`` re-scores stored chains under the current weights, on the same grid;
-    ``act`` is the deterministic chain, in env units.  The flow net trained here is the policy's
-    live net, initialised from its EMA weights.
+    ``noise_method`` (``flowlib.flow_sde``): ``reinflow`` (learned noise std, ReinFlow Eq. 4),
+    ``flow_noise`` (the same, with the initial noise in the joint log-prob, piRL's Flow-Noise),
+    ``flow_sde`` (the marginal-preserving SDE, piRL Eq. 8-9) or ``flow_cps`` (coefficient-preserving).
+    ``hybrid``: one random stochastic step per sample, the others ODE (piRL's hybrid ODE-SDE).
+
+    ``sample`` runs the chain and returns it (``[B, K+1, H, A]``, normalised) with its joint log-prob
+    (and, on request, the ``[B, K]`` mask of stochastic steps); ``step_log_probs`` re-scores stored
+    chains step by step under the current weights, on the same grid; ``act`` is the deterministic
+    chain (the ODE), in env units.  The flow net trained here is the policy's live net, initialised
+    from its EMA weights.
+
+    ``critic_input``: ``obs`` (V on the normalised observation window, piRL's V_vlm analogue) or
+    ``velocity_features`` (V on the velocity net's bottleneck features averaged along the deterministic
+    chain from ``x_0 = 0``, piRL's V_expert analogue; ``detach_critic_input`` keeps the value loss
+    out of the velocity net).
     """
 
     def __init__(self, policy, num_inference_steps: int = 8, min_noise_std: float = 0.01,
                  max_noise_std: float = 0.3, value_hidden_dims: tuple[int, ...] = (256, 256),
-                 include_initial_noise: bool = False, noise_hidden: int = 128, log_prob_over: str = "chunk"):
+                 include_initial_noise: bool = False, noise_hidden: int = 128, log_prob_over: str = "chunk",
+                 noise_method: str = "reinflow", noise_level: float = 0.5, hybrid: bool = False,
+                 log_prob_reduce: str = "sum", critic_input: str = "obs", detach_critic_input: bool = True):
         super().__init__()
-        if log_prob_over not in ("chunk", "executed"):
-            raise ValueError(f"log_prob_over must be 'chunk' or 'executed', got {log_prob_over!r}")
+        check_method(noise_method)
+        for name, value, allowed in (("log_prob_over", log_prob_over, ("chunk", "executed")),
+                                     ("log_prob_reduce", log_prob_reduce, ("sum", "mean")),
+                                     ("critic_input", critic_input, ("obs", "velocity_features"))):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         meta = policy.meta
         flow = policy.flow
         if flow.ema is not None:
@@ -146,8 +158,16 @@ class ReinFlowAgent(nn.Module):
         self.d = flow.jump(1.0 / num_inference_steps)  # rejects K beyond what the ShortCut net was trained for
         self.actor = NoisyVelocityUNet1D(flow.net, ExploreNoiseNet(obs_in, self.action_dim, min_noise_std,
                                                                    max_noise_std, hidden=noise_hidden))
-        self.value_net = mlp([obs_in, *value_hidden_dims, 1], act=nn.Mish)
-        self.include_initial_noise, self.log_prob_over = include_initial_noise, log_prob_over
+        self.noise_method, self.hybrid, self.log_prob_reduce = noise_method, hybrid, log_prob_reduce
+        self.register_buffer("noise_level", torch.tensor(float(noise_level)))
+        self.eligible = stochastic_steps(noise_method, num_inference_steps)
+        if self.eligible < 1:
+            raise ValueError(f"{noise_method} with K = {num_inference_steps} has no stochastic step: use K >= 2")
+        self.critic_input, self.detach_critic_input = critic_input, detach_critic_input
+        value_in = obs_in if critic_input == "obs" else meta["down_dims"][-1]
+        self.value_net = mlp([value_in, *value_hidden_dims, 1], act=nn.Mish)
+        self.include_initial_noise = include_initial_noise or noise_method == "flow_noise"
+        self.log_prob_over = log_prob_over
 
     def _scored(self, x: torch.Tensor) -> torch.Tensor:
         """The dims that enter the log-prob: the whole chunk ``[.., H, A]``, or only the ``Ta`` executed
@@ -156,10 +176,6 @@ class ReinFlowAgent(nn.Module):
             return x
         start = self.obs_horizon - 1
         return x[:, start:start + self.act_horizon]
-
-    def _step_log_prob(self, x_next, mean, noise_std):  # [B, H, A] x2, [B, A] -> [B]
-        std = noise_std[:, None, :].expand_as(mean)
-        return gaussian_log_prob(self._scored(x_next), self._scored(mean), self._scored(std))
 
     def _initial_log_prob(self, x0):
         x0 = self._scored(x0)
@@ -175,59 +191,103 @@ class ReinFlowAgent(nn.Module):
     def set_max_noise_std(self, value: float) -> None:
         self.actor.noise_net.max_noise_std.fill_(value)
 
+    def set_noise_level(self, value: float) -> None:
+        self.noise_level.fill_(value)
+
     def _norm_obs(self, obs_window: torch.Tensor) -> torch.Tensor:  # raw [B, To, O] -> normalised
         if obs_window.shape[1:] != (self.obs_horizon, self.obs_dim):
             raise ValueError(f"obs window must be [B, {self.obs_horizon}, {self.obs_dim}], got {tuple(obs_window.shape)}")
         return self.obs_normalizer.normalize(obs_window)
 
+    def _velocity_features(self, o: torch.Tensor) -> torch.Tensor:  # normalised [B, To, O] -> [B, C]
+        B, dt = o.shape[0], 1.0 / self.K
+        grid, d = self._grid(B, o.device)
+        x = torch.zeros(B, self.pred_horizon, self.action_dim, device=o.device)
+        feats = []
+        for k in range(self.K):
+            velocity, f = self.actor.base(x, grid[k].expand(B), d, o, return_features=True)
+            x = x + velocity * dt
+            feats.append(f)
+        return torch.stack(feats, 1).mean(1)
+
     def value(self, obs_window: torch.Tensor) -> torch.Tensor:  # [B, To, O] -> [B]
-        return self.value_net(self._norm_obs(obs_window).flatten(1)).squeeze(-1)
+        o = self._norm_obs(obs_window)
+        if self.critic_input == "obs":
+            return self.value_net(o.flatten(1)).squeeze(-1)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.detach_critic_input):
+            feats = self._velocity_features(o)
+        return self.value_net(feats).squeeze(-1)
 
     def _grid(self, B: int, device):
         grid = time_grid(self.K, device)  # the one grid, for sampling and re-scoring alike
         d = torch.full((B,), self.d, device=device)
         return grid, d
 
+    def _step(self, x, t, d, o):
+        """``(velocity [B, H, A], noise_std [B, 1, A] or None)`` at ``(x_k, t_k)``."""
+        velocity = self.actor.base(x, t, d, o)
+        if self.noise_method not in LEARNED_NOISE:
+            return velocity, None
+        return velocity, self.actor.noise_net(t, o.flatten(1))[:, None, :]
+
+    def stochastic_mask(self, B: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Which of the ``K`` steps carry noise, ``[B, K]``: all eligible ones, or one at random (hybrid)."""
+        if self.hybrid:
+            return hybrid_mask(B, self.K, self.eligible, generator)
+        return full_mask(B, self.K, self.eligible)
+
+    def joint_log_prob(self, step_log_probs: torch.Tensor, stochastic: torch.Tensor, chain: torch.Tensor):
+        """``[B, K]`` step log-probs -> ``[B]``: sum (or mean, ``log_prob_reduce``) over the stochastic steps,
+        plus ``log N(x_0; 0, I)`` when the initial noise is included (it does not depend on the weights,
+        so it cancels in the ratio unless the steps are averaged)."""
+        terms, count = (step_log_probs * stochastic).sum(1), stochastic.sum(1).float()
+        if self.include_initial_noise:
+            terms, count = terms + self._initial_log_prob(chain[:, 0]), count + 1
+        return terms if self.log_prob_reduce == "sum" else terms / count.clamp(min=1)
+
     @torch.no_grad()
-    def sample(self, obs_window: torch.Tensor, generator: torch.Generator | None = None, deterministic: bool = False):
-        """Run the chain from ``x_0 ~ N(0, I)``.  Returns ``chain [B, K+1, H, A]`` and ``log_prob [B]``."""
+    def sample(self, obs_window: torch.Tensor, generator: torch.Generator | None = None, deterministic: bool = False,
+               return_steps: bool = False):
+        """Run the chain from ``x_0 ~ N(0, I)``.  Returns ``chain [B, K+1, H, A]`` and ``log_prob [B]``;
+        with ``return_steps`` also the stochastic-step mask ``[B, K]`` and the step log-probs ``[B, K]``."""
         o = self._norm_obs(obs_window)
         B, device = o.shape[0], o.device
-        x = torch.randn(B, self.pred_horizon, self.action_dim, generator=generator).to(device)
+        x0 = torch.randn(B, self.pred_horizon, self.action_dim, generator=generator).to(device)
         grid, d = self._grid(B, device)
-        chain = [x]
-        log_prob = self._initial_log_prob(x) if self.include_initial_noise else torch.zeros(B, device=device)
-        for k in range(self.K):
-            t = grid[k].expand(B)
-            velocity, noise, noise_std = self.actor(x, t, d, o, generator)
-            mean = x + velocity / self.K
-            x = mean if deterministic else mean + noise
-            if not deterministic:
-                log_prob = log_prob + self._step_log_prob(x, mean, noise_std)
-            chain.append(x)
-        return torch.stack(chain, 1), log_prob
+        stochastic = torch.zeros(B, self.K, dtype=torch.bool) if deterministic else self.stochastic_mask(B, generator)
+        chain, step_lp = sample_chain(lambda x, t: self._step(x, t, d, o), x0, self.K, self.noise_method,
+                                      float(self.noise_level), stochastic, generator, scored=self._scored)
+        stochastic = stochastic.to(device)
+        log_prob = torch.zeros(B, device=device) if deterministic else self.joint_log_prob(step_lp, stochastic, chain)
+        return (chain, log_prob, stochastic, step_lp) if return_steps else (chain, log_prob)
 
-    def log_prob(self, obs_window: torch.Tensor, chain: torch.Tensor):
-        """Log-prob of stored chains ``[B, K+1, H, A]`` and the mean per-dim entropy of the noise Gaussians.
-
-        Returns ``(log_prob [B], entropy [B])``; the entropy is ``sum_k sum_dims 0.5 log(2 pi e sigma^2)``
-        divided by the number of noisy dims (so its scale does not grow with ``K``, ``H`` or ``A``).
-        """
+    def step_log_probs(self, obs_window: torch.Tensor, chain: torch.Tensor, stochastic: torch.Tensor | None = None):
+        """Per-step log-probs of stored chains, ``[B, K]`` (0 at ODE steps), and the mean per-dim entropy
+        of the stochastic steps' Gaussians, ``[B]`` (scale-free in ``K``, ``H``, ``A``).  Only the
+        stochastic ``(sample, step)`` pairs are run through the net (one per sample in hybrid mode)."""
         if chain.shape[1:] != (self.K + 1, self.pred_horizon, self.action_dim):
             raise ValueError(f"chain must be [B, {self.K + 1}, {self.pred_horizon}, {self.action_dim}], got {tuple(chain.shape)}")
-        o = self._norm_obs(obs_window)
         B, K = chain.shape[0], self.K
-        grid, d = self._grid(B, chain.device)
-        x = chain[:, :-1].reshape(B * K, self.pred_horizon, self.action_dim)         # x_k, [B*K, H, A]
-        x_next = chain[:, 1:].reshape(B * K, self.pred_horizon, self.action_dim)    # x_{k+1}
-        t = grid[:-1].repeat(B)                                                      # [B*K]
-        o_rep = o.repeat_interleave(K, 0)
-        velocity, _, noise_std = self.actor(x, t, d.repeat_interleave(K), o_rep)
-        log_prob = self._step_log_prob(x_next, x + velocity / K, noise_std).reshape(B, K).sum(1)
-        if self.include_initial_noise:
-            log_prob = log_prob + self._initial_log_prob(chain[:, 0])
-        entropy = (0.5 * (1 + LOG_2PI) + torch.log(noise_std)).reshape(B, -1).mean(1)
-        return log_prob, entropy
+        stochastic = full_mask(B, K, self.eligible) if stochastic is None else stochastic
+        stochastic = stochastic.to(chain.device)
+        o = self._norm_obs(obs_window)
+        b, k = stochastic.nonzero(as_tuple=True)                              # the stochastic pairs
+        grid, _ = self._grid(len(b), chain.device)
+        x, x_next, t = chain[b, k], chain[b, k + 1], grid[k]                  # [P, H, A] x2, [P]
+        velocity, noise_std = self._step(x, t, torch.full_like(t, self.d), o[b])
+        mean, std = transition(self.noise_method, x, velocity, t, 1.0 / K, float(self.noise_level), noise_std)
+        std = torch.as_tensor(std, dtype=x.dtype, device=x.device).expand_as(x)
+        lp = gaussian_log_prob(self._scored(x_next), self._scored(mean), self._scored(std))          # [P]
+        ent = (0.5 * (1 + LOG_2PI) + torch.log(self._scored(std))).flatten(1).mean(1)               # [P]
+        step_lp = torch.zeros(B, K, device=chain.device, dtype=lp.dtype).index_put((b, k), lp)
+        entropy = torch.zeros(B, device=chain.device).index_add(0, b, ent) / stochastic.sum(1).clamp(min=1)
+        return step_lp, entropy
+
+    def log_prob(self, obs_window: torch.Tensor, chain: torch.Tensor, stochastic: torch.Tensor | None = None):
+        """Joint log-prob of stored chains ``[B]`` (``joint_log_prob`` of ``step_log_probs``) and the entropy ``[B]``."""
+        step_lp, entropy = self.step_log_probs(obs_window, chain, stochastic)
+        stochastic = full_mask(len(chain), self.K, self.eligible) if stochastic is None else stochastic
+        return self.joint_log_prob(step_lp, stochastic.to(chain.device), chain), entropy
 
     def actions(self, chain: torch.Tensor) -> torch.Tensor:
         """Executed actions in env units: ``x_K[To-1 : To-1+Ta]`` unnormalised, clipped to [-1, 1]."""
@@ -245,60 +305,51 @@ class ReinFlowAgent(nn.Module):
         return self.actions(chain)
 
 
-# --------------------------------------------------------------------------- SMDP buffer and GAE
-
-
-def gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor, discounts: torch.Tensor,
-        terminal: torch.Tensor, ends: torch.Tensor, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over chunk decisions (Schulman et al. 2016, Eq. 16, SMDP form).
-
-    All inputs ``[T, N]`` (time-major).  ``rewards``: in-chunk discounted sums ``R``; ``discounts``:
-    ``gamma^tau``; ``next_values``: ``V(s_{t+tau})`` (for a truncated episode, of its last
-    observation); ``terminal``: the episode terminated in this chunk (no bootstrap); ``ends``:
-    the episode ended here (terminated or truncated: the recursion does not cross it).
-
-        delta_t = R_t + gamma^tau_t (1 - terminal_t) V(s_{t+tau}) - V(s_t)
-        A_t     = delta_t + gamma^tau_t lambda (1 - end_t) A_{t+1}
-
-    Returns ``(advantages, returns = advantages + values)``.
-    """
-    T = rewards.shape[0]
-    not_terminal, not_end = 1.0 - terminal.float(), 1.0 - ends.float()
-    deltas = rewards + discounts * not_terminal * next_values - values
-    adv = torch.zeros_like(rewards)
-    last = torch.zeros_like(rewards[0])
-    for t in reversed(range(T)):
-        last = deltas[t] + discounts[t] * lam * not_end[t] * last
-        adv[t] = last
-    return adv, adv + values
+# --------------------------------------------------------------------------- SMDP buffer
 
 
 @dataclass
 class RolloutBuffer:
     """Chunk-level transitions of one PPO iteration, time-major ``[T, N, ...]``."""
 
-    obs: torch.Tensor           # [T, N, To, O]   raw observation windows
-    chains: torch.Tensor        # [T, N, K+1, H, A]
-    log_probs: torch.Tensor     # [T, N]
-    values: torch.Tensor        # [T, N]
-    rewards: torch.Tensor       # [T, N]  sum_{k<tau} gamma^k r
-    discounts: torch.Tensor     # [T, N]  gamma^tau
-    next_values: torch.Tensor   # [T, N]  V(s_{t+tau})
-    terminal: torch.Tensor      # [T, N]  bool
-    ends: torch.Tensor          # [T, N]  bool (terminated or truncated)
-    policy_time: float = 0.0    # seconds of the rollout spent in the policy (chain, values)
+    obs: torch.Tensor             # [T, N, To, O]   raw observation windows
+    chains: torch.Tensor          # [T, N, K+1, H, A]
+    stochastic: torch.Tensor      # [T, N, K]  bool: which denoising steps carried noise
+    step_log_probs: torch.Tensor  # [T, N, K]
+    log_probs: torch.Tensor       # [T, N]    joint
+    values: torch.Tensor          # [T, N]
+    rewards: torch.Tensor         # [T, N]  sum_{k<tau} gamma^k r
+    discounts: torch.Tensor       # [T, N]  gamma^tau
+    next_values: torch.Tensor     # [T, N]  V(s_{t+tau})
+    terminal: torch.Tensor        # [T, N]  bool
+    ends: torch.Tensor            # [T, N]  bool (terminated or truncated)
+    weights: torch.Tensor         # [T, N]  1 = a live decision, 0 = an env idling after its episode (GRPO)
+    policy_time: float = 0.0      # seconds of the rollout spent in the policy (chain, values)
 
     def flat(self, advantages: torch.Tensor, returns: torch.Tensor) -> dict[str, torch.Tensor]:
         n = self.rewards.numel()
         return {"obs": self.obs.reshape(n, *self.obs.shape[2:]), "chains": self.chains.reshape(n, *self.chains.shape[2:]),
-                "log_probs": self.log_probs.reshape(n), "values": self.values.reshape(n),
+                "stochastic": self.stochastic.reshape(n, -1), "step_log_probs": self.step_log_probs.reshape(n, -1),
+                "log_probs": self.log_probs.reshape(n), "values": self.values.reshape(n), "weights": self.weights.reshape(n),
                 "advantages": advantages.reshape(n), "returns": returns.reshape(n)}
 
-
-def explained_variance(pred: torch.Tensor, target: torch.Tensor) -> float:
-    """``1 - Var[target - pred] / Var[target]`` (1 = perfect, 0 = no better than the mean)."""
-    var = target.var()
-    return float("nan") if var == 0 else float(1 - (target - pred).var() / var)
+    def advantages(self, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(advantages, returns)`` ``[T, N]`` by ``cfg.advantage`` (``flowlib.ppo``); returns are the value targets."""
+        args = (self.rewards, self.next_values, self.discounts, self.terminal, self.ends)
+        if cfg.advantage == "gae":
+            return ppo.gae(self.rewards, self.values, self.next_values, self.discounts, self.terminal, self.ends,
+                           cfg.gae_lambda)
+        if cfg.advantage == "nstep":
+            returns = ppo.nstep_returns(*args, cfg.n_step)
+            return returns - self.values, returns
+        returns = ppo.mc_returns(*args)
+        if cfg.advantage == "mc":
+            return returns - self.values, returns
+        # grpo: every env ran one episode from its group's seed; score = its discounted return
+        before = torch.cumprod(torch.cat([torch.ones_like(self.discounts[:1]), self.discounts[:-1]]), 0)
+        scores = (before * self.rewards * self.weights).sum(0)                               # [N]
+        groups = torch.arange(scores.shape[0]) // cfg.group_size
+        return ppo.grpo_advantages(scores, groups)[None].expand_as(self.rewards).clone(), returns
 
 
 # --------------------------------------------------------------------------- configuration
@@ -325,15 +376,28 @@ class ReinFlowConfig:
     noise_decay_steps: int = 512        # env steps over which max_noise_std decays
     include_initial_noise: bool = False
     log_prob_over: str = "chunk"        # "chunk": all H x A dims of each step; "executed": the Ta executed actions
+    # the noise method (flowlib.flow_sde; notebook 04)
+    noise_method: str = "reinflow"      # reinflow / flow_noise (learned std) / flow_sde / flow_cps (noise_level a)
+    noise_level: float = 0.5            # a of flow_sde / flow_cps; scaled by the noise schedule like max_noise_std
+    hybrid: bool = False                # one random stochastic step per sample, the rest ODE (hybrid ODE-SDE)
+    log_prob_reduce: str = "sum"        # joint log-prob over the stochastic steps: "sum" (exact) or "mean"
+    ratio_mode: str = "joint"           # "joint" (one-layer MDP) or "per_step" (two-layer MDP: a ratio per step)
+    critic_input: str = "obs"           # "obs" (V_vlm analogue) or "velocity_features" (V_expert analogue)
+    detach_critic_input: bool = True
     # PPO
     total_env_steps: int = 512
     rollout_steps: int = 8              # decisions per env per iteration
     update_epochs: int = 2
     minibatch_size: int = 16
     gamma: float = 0.99
+    advantage: str = "gae"              # gae / mc / nstep / grpo (flowlib.ppo)
     gae_lambda: float = 0.95
+    n_step: int = 5                     # decisions, for advantage = "nstep"
+    group_size: int = 2                 # envs per GRPO group (same env seed); num_envs must be a multiple
     clip_coef: float = 0.2
+    dual_clip: float = 0.0              # c > 1 caps the loss of negative-advantage samples at -c A; 0 = off
     value_clip: float = 0.0             # 0: unclipped value loss
+    huber_delta: float = 0.0            # > 0: Huber value loss with this delta; 0: squared error
     ent_coef: float = 0.01
     vf_coef: float = 0.5
     actor_lr: float = 3e-5
@@ -371,6 +435,19 @@ class ReinFlowConfig:
             (0 < self.gamma <= 1 and 0 <= self.gae_lambda <= 1, "need gamma in (0, 1] and gae_lambda in [0, 1]"),
             (self.clip_coef > 0, "clip_coef must be > 0"),
             (self.total_env_steps > 0, "total_env_steps must be > 0"),
+            (self.noise_method in METHODS, f"noise_method must be one of {METHODS}, got {self.noise_method!r}"),
+            (self.noise_level >= 0, "noise_level must be >= 0"),
+            (self.log_prob_reduce in ("sum", "mean"), f"log_prob_reduce must be 'sum' or 'mean', got {self.log_prob_reduce!r}"),
+            (self.ratio_mode in ("joint", "per_step"), f"ratio_mode must be 'joint' or 'per_step', got {self.ratio_mode!r}"),
+            (self.critic_input in ("obs", "velocity_features"),
+             f"critic_input must be 'obs' or 'velocity_features', got {self.critic_input!r}"),
+            (self.advantage in ppo.ESTIMATORS, f"advantage must be one of {ppo.ESTIMATORS}, got {self.advantage!r}"),
+            (self.n_step >= 1, "n_step must be >= 1"),
+            (self.group_size >= 2, "group_size must be >= 2 (a group of one has no baseline)"),
+            (self.advantage != "grpo" or self.num_envs % self.group_size == 0,
+             f"advantage 'grpo' needs num_envs ({self.num_envs}) to be a multiple of group_size ({self.group_size})"),
+            (self.dual_clip == 0 or self.dual_clip > 1, "dual_clip must be 0 (off) or > 1"),
+            (self.huber_delta >= 0 and self.value_clip >= 0, "huber_delta and value_clip must be >= 0"),
         ])
 
 
@@ -395,25 +472,29 @@ class ChunkRunner:
         self.ep_length = torch.zeros(N, dtype=torch.long)
         self.finished: list[dict] = []  # episodes ended since the last ``pop_finished``
         self.env_steps = 0  # simulator steps, summed over envs
+        self.active = torch.ones(N, dtype=torch.bool)  # False: the episode ended and the env waits (no auto-reset)
 
-    def restart(self) -> None:
-        """Reset every env with fresh seeds (after an evaluation used them); episodes in flight are dropped."""
+    def restart(self, seeds: list[int] | None = None) -> None:
+        """Reset every env, with fresh seeds or with ``seeds`` (one per env); episodes in flight are dropped."""
         N = self.env.num_envs
-        obs = self.env.reset(seed=self.next_seed).cpu()
-        self.next_seed += N
+        if seeds is None:
+            seeds, self.next_seed = list(range(self.next_seed, self.next_seed + N)), self.next_seed + N
+        obs = self.env.reset(seed=list(seeds)).cpu()
         self.window = obs[:, None].repeat(1, self.obs_horizon, 1)
         self.ep_return.zero_(), self.ep_success.zero_(), self.ep_length.zero_()
+        self.active.fill_(True)
 
-    def step_chunk(self, actions: torch.Tensor) -> dict[str, torch.Tensor]:
+    def step_chunk(self, actions: torch.Tensor, auto_reset: bool = True) -> dict[str, torch.Tensor]:
         """Execute ``actions [N, Ta, A]``; returns the SMDP pieces of this decision per env.
 
         ``reward`` = sum_{k<tau} gamma^k r, ``discount`` = gamma^tau, ``terminal``, ``end``, and
         ``next_window``: the window after the chunk (for an ended env: its last one, for bootstrapping).
-        Envs that ended are then reset; ``self.window`` holds the windows of the next decision.
+        Envs that ended are then reset (``auto_reset``), or else idle until ``restart``;
+        ``self.window`` holds the windows of the next decision.
         """
         N, Ta = actions.shape[:2]
         reward, discount = torch.zeros(N), torch.ones(N)
-        alive, terminal = torch.ones(N, dtype=torch.bool), torch.zeros(N, dtype=torch.bool)
+        alive, terminal = self.active.clone(), torch.zeros(N, dtype=torch.bool)
         window = self.window.clone()
         for k in range(Ta):
             obs, r, term, trunc, success = (x.cpu() for x in self.env.step(actions[:, k].to(self.env.device)))
@@ -429,10 +510,15 @@ class ChunkRunner:
             terminal |= alive & term
             alive &= ~ended
             self.env_steps += N  # simulator steps (an env that ended mid-chunk idles to the chunk's end)
-        end = ~alive
+        end = self.active & ~alive
         out = {"reward": reward, "discount": discount, "terminal": terminal, "end": end, "next_window": window}
         self.window = window.clone()
-        if end.any():
+        if not auto_reset:
+            for i in torch.nonzero(end).squeeze(1).tolist():
+                self.finished.append({"return": float(self.ep_return[i]), "success_once": bool(self.ep_success[i]),
+                                      "length": int(self.ep_length[i])})
+            self.active &= ~end
+        elif end.any():
             for i in torch.nonzero(end).squeeze(1).tolist():
                 self.finished.append({"return": float(self.ep_return[i]), "success_once": bool(self.ep_success[i]),
                                       "length": int(self.ep_length[i])})
@@ -451,109 +537,37 @@ class ChunkRunner:
 
 @torch.no_grad()
 def collect(agent: ReinFlowAgent, runner: ChunkRunner, num_decisions: int,
-            generator: torch.Generator | None = None) -> RolloutBuffer:
+            generator: torch.Generator | None = None, auto_reset: bool = True) -> RolloutBuffer:
     """``num_decisions`` chunk decisions of every env with the noisy chain (ReinFlow Alg. 1, rollout).
 
     ``V`` is evaluated once per window: the value after a chunk is the next decision's value, except
     in envs that ended and were reset.  The buffer's ``policy_time`` is the policy's share of the wall time.
+    With ``auto_reset=False`` (GRPO) an env whose episode ended idles, and its later rows get weight 0.
     """
     device = next(agent.parameters()).device
     rows, policy_time, value = [], 0.0, None
     for _ in range(num_decisions):
         tp = time.time()
-        window = runner.window.to(device)
-        chain, log_prob = agent.sample(window, generator)
+        window, weight = runner.window.to(device), runner.active.float()
+        chain, log_prob, stochastic, step_lp = agent.sample(window, generator, return_steps=True)
         if value is None:
             value = agent.value(window)
         actions = agent.actions(chain).cpu()
         policy_time += time.time() - tp
-        out = runner.step_chunk(actions)
+        out = runner.step_chunk(actions, auto_reset)
         tp = time.time()
         next_value = agent.value(out["next_window"].to(device))  # V(s_{t+tau}); for an ended env, its last window
         value_after = next_value.clone()
-        if out["end"].any():
+        if auto_reset and out["end"].any():
             end = out["end"].to(device)
             value_after[end] = agent.value(runner.window.to(device)[end])  # the reset envs' first windows
         policy_time += time.time() - tp
-        rows.append({"obs": window.cpu(), "chains": chain.cpu(), "log_probs": log_prob.cpu(), "values": value.cpu(),
+        rows.append({"obs": window.cpu(), "chains": chain.cpu(), "stochastic": stochastic.cpu(),
+                     "step_log_probs": step_lp.cpu(), "log_probs": log_prob.cpu(), "values": value.cpu(), "weights": weight,
                      "rewards": out["reward"], "discounts": out["discount"], "next_values": next_value.cpu(),
                      "terminal": out["terminal"], "ends": out["end"]})
         value = value_after
     return RolloutBuffer(**{k: torch.stack([r[k] for r in rows]) for k in rows[0]}, policy_time=policy_time)
-
-
-# --------------------------------------------------------------------------- PPO
-
-
-def ppo_update(agent: ReinFlowAgent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg: ReinFlowConfig,
-               train_policy: bool = True, generator: torch.Generator | None = None) -> dict[str, float]:
-    """Clipped-surrogate PPO over the chain log-probs (Schulman et al. 2017, Eq. 7; ReinFlow Eq. 6).
-
-    ``L = -min(rho A, clip(rho, 1 +- eps) A) + c_v (V - G)^2 - c_H H[noise]``, ``rho = exp(log pi - log pi_old)``.
-    Before the first optimiser step the stored and re-scored log-probs are the same computation
-    on the same grid, so ``rho`` must be 1: checked on the first minibatch, every update.  With
-    ``train_policy=False`` (critic warm-up) only the value loss is optimised.
-    """
-    device = next(agent.parameters()).device
-    batch = {k: v.to(device) for k, v in batch.items()}
-    n = len(batch["returns"])
-    adv_all = batch["advantages"]
-    if cfg.norm_adv and n > 1:
-        adv_all = (adv_all - adv_all.mean()) / (adv_all.std() + 1e-8)
-    stats: dict[str, list[float]] = {k: [] for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac")}
-    first, stopped_early = True, False
-    for epoch in range(cfg.update_epochs):
-        perm = torch.randperm(n, generator=generator).to(device)
-        for start in range(0, n, cfg.minibatch_size):
-            idx = perm[start:start + cfg.minibatch_size]
-            value = agent.value(batch["obs"][idx])
-            if cfg.value_clip > 0:
-                clipped = batch["values"][idx] + (value - batch["values"][idx]).clamp(-cfg.value_clip, cfg.value_clip)
-                value_loss = 0.5 * torch.max((value - batch["returns"][idx]) ** 2,
-                                             (clipped - batch["returns"][idx]) ** 2).mean()
-            else:
-                value_loss = 0.5 * ((value - batch["returns"][idx]) ** 2).mean()
-            if train_policy:
-                log_prob, entropy = agent.log_prob(batch["obs"][idx], batch["chains"][idx])
-                log_ratio = log_prob - batch["log_probs"][idx]
-                ratio = log_ratio.exp()
-                if first:
-                    err = (ratio - 1).abs().max().item()
-                    if err > 1e-3:
-                        raise RuntimeError(f"PPO ratio is {1 + err:.4g}, not 1, before any update: sampling and "
-                                           "re-scoring disagree (time grid, noise or normalisation differ)")
-                    first = False
-                adv = adv_all[idx]
-                policy_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef)).mean()
-                entropy_mean = entropy.mean()
-                with torch.no_grad():
-                    approx_kl = ((ratio - 1) - log_ratio).mean().item()  # Schulman's k3 estimator
-                    clip_frac = ((ratio - 1).abs() > cfg.clip_coef).float().mean().item()
-                loss = policy_loss - cfg.ent_coef * entropy_mean + cfg.vf_coef * value_loss
-                stats["policy_loss"].append(policy_loss.item())
-                stats["entropy"].append(entropy_mean.item())
-                stats["approx_kl"].append(approx_kl)
-                stats["clip_frac"].append(clip_frac)
-            else:
-                loss = cfg.vf_coef * value_loss
-            stats["value_loss"].append(value_loss.item())
-            actor_opt.zero_grad(set_to_none=True)
-            critic_opt.zero_grad(set_to_none=True)
-            loss.backward()
-            nn.utils.clip_grad_norm_(agent.value_parameters(), cfg.max_grad_norm)
-            critic_opt.step()
-            if train_policy:
-                nn.utils.clip_grad_norm_(agent.policy_parameters(), cfg.max_grad_norm)
-                actor_opt.step()
-            if train_policy and cfg.target_kl and stats["approx_kl"][-1] > cfg.target_kl:
-                stopped_early = True
-                break
-        if stopped_early:
-            break
-    out = {k: float(sum(v) / len(v)) for k, v in stats.items() if v}
-    out["epochs"] = epoch + 1
-    out["kl_early_stop"] = float(stopped_early)
-    return out
 
 
 # --------------------------------------------------------------------------- building, checkpoints, training
@@ -567,7 +581,10 @@ def init_checkpoint_path(cfg: ReinFlowConfig) -> Path:
 
 def _agent(policy, cfg: ReinFlowConfig) -> ReinFlowAgent:
     return ReinFlowAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
-                         tuple(cfg.value_hidden_dims), cfg.include_initial_noise, log_prob_over=cfg.log_prob_over)
+                         tuple(cfg.value_hidden_dims), cfg.include_initial_noise, log_prob_over=cfg.log_prob_over,
+                         noise_method=cfg.noise_method, noise_level=cfg.noise_level, hybrid=cfg.hybrid,
+                         log_prob_reduce=cfg.log_prob_reduce, critic_input=cfg.critic_input,
+                         detach_critic_input=cfg.detach_critic_input)
 
 
 def build_agent(cfg: ReinFlowConfig, path: Path, spec=None) -> tuple[ReinFlowAgent, str]:
@@ -578,7 +595,7 @@ def build_agent(cfg: ReinFlowConfig, path: Path, spec=None) -> tuple[ReinFlowAge
     policy, critic = load_from_aw_shortcut_flow(path, spec)
     agent = _agent(policy, cfg)
     how = "fresh"
-    if cfg.warm_start_value and critic is not None and hasattr(critic, "value_net"):
+    if cfg.warm_start_value and cfg.critic_input == "obs" and critic is not None and hasattr(critic, "value_net"):
         try:
             agent.value_net.load_state_dict(critic.value_net.state_dict())
             how = f"stage-2 {critic.kind} V"
@@ -614,8 +631,13 @@ def load_agent(path: str | Path) -> ReinFlowAgent:
     return agent.eval()
 
 
+def decisions_per_iteration(cfg: ReinFlowConfig, act_horizon: int) -> int:
+    """Chunk decisions per env per iteration: ``rollout_steps``, or one whole episode for GRPO."""
+    return math.ceil(cfg.max_episode_steps / act_horizon) if cfg.advantage == "grpo" else cfg.rollout_steps
+
+
 def env_steps_per_iteration(cfg: ReinFlowConfig, num_envs: int, act_horizon: int) -> int:
-    return cfg.rollout_steps * num_envs * act_horizon
+    return decisions_per_iteration(cfg, act_horizon) * num_envs * act_horizon
 
 
 def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracker=None) -> dict:
@@ -663,12 +685,17 @@ def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracke
         max_std = noise_schedule(cfg.noise_schedule, runner.env_steps / max(cfg.noise_decay_steps, 1),
                                  cfg.max_noise_std, cfg.final_noise_std)
         agent.set_max_noise_std(max_std)
+        agent.set_noise_level(cfg.noise_level * max_std / cfg.max_noise_std)  # flow_sde / flow_cps: same schedule
         agent.eval()
         t0 = time.time()
-        buf = collect(agent, runner, cfg.rollout_steps, gen)
+        grpo = cfg.advantage == "grpo"
+        if grpo:  # one episode per env; the envs of a group start from the same seed
+            G = cfg.group_size
+            runner.restart([runner.next_seed + i // G for i in range(env.num_envs)])
+            runner.next_seed += env.num_envs // G
+        buf = collect(agent, runner, decisions_per_iteration(cfg, agent.act_horizon), gen, auto_reset=not grpo)
         rollout_time = time.time() - t0
-        advantages, returns = gae(buf.rewards, buf.values, buf.next_values, buf.discounts, buf.terminal, buf.ends,
-                                  cfg.gae_lambda)
+        advantages, returns = buf.advantages(cfg)
         warmup = runner.env_steps <= cfg.critic_warmup_steps
         agent.train()
         t1 = time.time()
@@ -680,7 +707,7 @@ def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracke
                "episodes": len(episodes), "rollout_time": rollout_time, "rollout_policy_time": buf.policy_time,
                "update_time": update_time,
                "env_steps_per_s": per_iter / max(rollout_time, 1e-9),
-               "explained_variance": explained_variance(buf.values.flatten(), returns.flatten()), **stats}
+               "explained_variance": explained_variance(buf.values[buf.weights > 0], returns[buf.weights > 0]), **stats}
         if "entropy" in stats:  # geometric-mean noise std from the Gaussian entropy
             row["noise_std"] = math.exp(stats["entropy"] - 0.5 * (1 + LOG_2PI))
         if episodes:
@@ -723,10 +750,15 @@ def overhead(agent: ReinFlowAgent, env, decisions: int = 8, seed: int = 0) -> di
     N, Ta = env.num_envs, agent.act_horizon
     steps = decisions * Ta * N
     env.reset(seed=seed)
-    t0 = time.time()
-    for _ in range(decisions * Ta):
-        env.step(torch.rand(N, env.spec.action_dim, device=env.device) * 2 - 1)
-    raw = (time.time() - t0) / steps
+    raw = 0.0
+    for i in range(decisions * Ta):
+        action = torch.rand(N, env.spec.action_dim, device=env.device) * 2 - 1
+        t0 = time.time()
+        _, _, term, trunc, _ = env.step(action)
+        raw += time.time() - t0
+        if (term | trunc).any():  # past the time limit: new episodes (not timed)
+            env.reset(seed=seed + i + 1)
+    raw /= steps
     runner = ChunkRunner(env, agent.obs_horizon, 0.99, first_seed=seed)
     t0 = time.time()
     buf = collect(agent, runner, decisions, torch.Generator().manual_seed(seed))

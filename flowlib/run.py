@@ -27,6 +27,7 @@ NOTEBOOK_CONFIGS = {
     "01_shortcut_bc": "flowlib.bc:ShortCutBCConfig",
     "02_aw_shortcut": "flowlib.awsc:AWShortCutConfig",
     "03_reinflow": "flowlib.reinflow:ReinFlowConfig",
+    "04_flow_sde": "flowlib.pirl:FlowSDEConfig",
     "05_ablation_report": "flowlib.sweep:SweepReportConfig",
 }
 

@@ -34,12 +34,34 @@ def checkerboard(n: int, generator=None, squares: int = 4) -> torch.Tensor:
 
 def eight_gaussians(n: int, generator=None, radius: float = 2.0, std: float = 0.15) -> torch.Tensor:
     """Eight isotropic Gaussians evenly spaced on a circle."""
-    k = torch.randint(0, 8, (n,), generator=generator).float()
-    centres = radius * torch.stack([torch.cos(k * math.pi / 4), torch.sin(k * math.pi / 4)], dim=1)
-    return centres + std * torch.randn(n, 2, generator=generator)
+    k = torch.randint(0, 8, (n,), generator=generator)
+    return eight_gaussian_means(radius)[k] + std * torch.randn(n, 2, generator=generator)
 
 
 TARGETS = {"two_moons": two_moons, "checkerboard": checkerboard, "eight_gaussians": eight_gaussians}
+
+
+def eight_gaussian_means(radius: float = 2.0) -> torch.Tensor:
+    """The ``[8, 2]`` centres of ``eight_gaussians``."""
+    k = torch.arange(8).float()
+    return radius * torch.stack([torch.cos(k * math.pi / 4), torch.sin(k * math.pi / 4)], dim=1)
+
+
+def mixture_velocity(x: torch.Tensor, t: torch.Tensor, means: torch.Tensor, std: float) -> torch.Tensor:
+    """The exact flow-matching velocity ``E[x_1 - x_0 | x_t = x]`` for data = an equal-weight mixture of
+    ``N(mu_j, std^2 I)`` and noise ``N(0, I)``, on the path ``x_t = (1 - t) x_0 + t x_1``.
+
+    Given component ``j``, ``x_t ~ N(t mu_j, s_t^2 I)`` with ``s_t^2 = (1 - t)^2 + t^2 std^2`` and
+    ``E[x_1 - x_0 | x_t, j] = mu_j + (t std^2 - (1 - t)) / s_t^2 (x - t mu_j)``; the velocity is their
+    average under the posterior ``p(j | x_t)``.  ``x [B, D]``, ``t [B]``, ``means [J, D]`` -> ``[B, D]``.
+    """
+    t = t.reshape(-1, 1, 1)                                             # [B, 1, 1]
+    var = (1 - t) ** 2 + t ** 2 * std ** 2                              # [B, 1, 1]
+    diff = x[:, None, :] - t * means[None]                              # [B, J, D]
+    logits = -0.5 * (diff ** 2).sum(-1, keepdim=True) / var             # [B, J, 1]
+    post = torch.softmax(logits, dim=1)
+    v_j = means[None] + (t * std ** 2 - (1 - t)) / var * diff           # [B, J, D]
+    return (post * v_j).sum(1)
 
 
 def sample_target(name: str, n: int, seed: int | None = None) -> torch.Tensor:

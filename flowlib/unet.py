@@ -77,7 +77,9 @@ class ShortCutVelocityUNet1D(nn.Module):
         self.final = nn.Sequential(Conv1dBlock(down_dims[0], down_dims[0], kernel_size, n_groups),
                                    nn.Conv1d(down_dims[0], action_dim, 1))
 
-    def forward(self, x, t, d, obs):
+    def forward(self, x, t, d, obs, return_features: bool = False):
+        """``velocity [B, H, A]``; with ``return_features`` also the bottleneck features averaged over
+        the horizon, ``[B, down_dims[-1]]`` (what a critic on the velocity net reads)."""
         B = x.shape[0]
         if x.shape[1:] != (self.pred_horizon, self.action_dim):
             raise ValueError(f"x must be [B, {self.pred_horizon}, {self.action_dim}], got {tuple(x.shape)}")
@@ -93,7 +95,9 @@ class ShortCutVelocityUNet1D(nn.Module):
             h = down(h)
         for res in self.mid:
             h = res(h, cond)
+        features = h.mean(-1)  # [B, C]
         for res1, res2, up in self.up:
             h = torch.cat([h, skips.pop()], dim=1)  # the skip of the same resolution
             h = up(res2(res1(h, cond), cond))
-        return self.final(h).transpose(1, 2)  # [B, H, A]
+        velocity = self.final(h).transpose(1, 2)  # [B, H, A]
+        return (velocity, features) if return_features else velocity

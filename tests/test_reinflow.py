@@ -103,10 +103,11 @@ def test_rescoring_on_another_time_grid_is_caught_by_the_ratio_check(monkeypatch
 
 
 def fake_batch(agent, obs):
-    chain, log_prob = agent.sample(obs, torch.Generator().manual_seed(3))
+    chain, log_prob, stochastic, step_log_probs = agent.sample(obs, torch.Generator().manual_seed(3), return_steps=True)
     n = len(obs)
-    return {"obs": obs, "chains": chain, "log_probs": log_prob, "values": torch.zeros(n),
-            "advantages": torch.randn(n), "returns": torch.randn(n)}
+    return {"obs": obs, "chains": chain, "log_probs": log_prob, "stochastic": stochastic,
+            "step_log_probs": step_log_probs, "values": torch.zeros(n), "advantages": torch.randn(n),
+            "returns": torch.randn(n)}
 
 
 def test_critic_warmup_leaves_the_policy_unchanged_and_trains_the_value():
@@ -174,13 +175,21 @@ def test_chain_of_wrong_shape_is_rejected():
         reinflow.ReinFlowAgent(tiny_policy()[0], num_inference_steps=16)  # ShortCut trained for 8
 
 
-def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path):
+PIRL = {"noise_method": "flow_sde", "hybrid": True, "advantage": "grpo", "ratio_mode": "per_step",
+        "critic_input": "velocity_features", "dual_clip": 3.0, "huber_delta": 1.0,
+        "reward": "dense"}  # a random tiny policy never succeeds: with sparse rewards every GRPO advantage is 0
+
+
+@pytest.mark.parametrize("options", [{}, PIRL], ids=["reinflow", "flow_sde_hybrid_grpo"])
+def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, options):
     policy, dataset = tiny_policy()
     path = tmp_path / "stage1.pt"
     bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
+    # GRPO runs one 20-step episode per env per iteration: ceil(20 / 8) = 3 decisions, like rollout_steps
     cfg = reinflow.ReinFlowConfig(init_checkpoint=str(path), num_inference_steps=4, rollout_steps=3, update_epochs=2,
                                   minibatch_size=4, total_env_steps=2 * 3 * 2 * 8, critic_warmup_steps=0,
-                                  max_episode_steps=20, eval_every=1, num_eval_episodes=2, value_hidden_dims=[16])
+                                  max_episode_steps=20, eval_every=1, num_eval_episodes=2, value_hidden_dims=[16],
+                                  **options)
     with make_env("PickCube-v1", 2, max_episode_steps=20) as env:
         agent, how = reinflow.build_agent(cfg, reinflow.init_checkpoint_path(cfg), env.spec)
         assert how == "fresh"
@@ -201,3 +210,19 @@ def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path):
                        agent.act(window, generator=torch.Generator().manual_seed(0)))
     with pytest.raises(ValueError, match="not a ReinFlow checkpoint"):
         reinflow.read_agent_checkpoint(path)
+
+
+@pytest.mark.parametrize("num_envs", [1, 2])
+def test_an_episode_ending_inside_a_chunk_is_handled_with_one_env_and_with_several(num_envs):
+    """One env runs in-process (gymnasium's SyncVectorEnv refuses to step an ended env by default):
+    the time limit falls inside the second 8-step chunk, the env idles to the chunk's end, then resets."""
+    with make_env("PickCube-v1", num_envs, max_episode_steps=10) as env:
+        runner = reinflow.ChunkRunner(env, obs_horizon=2, gamma=0.9, reward="dense")
+        actions = torch.zeros(num_envs, 8, ACT_DIM)
+        first = runner.step_chunk(actions)
+        second = runner.step_chunk(actions)
+        assert not first["end"].any() and second["end"].all() and not second["terminal"].any()
+        assert torch.allclose(second["discount"], torch.full((num_envs,), 0.9 ** 2))  # tau = 2 steps ran
+        assert [e["length"] for e in runner.pop_finished()] == [10] * num_envs
+        third = runner.step_chunk(actions)  # the reset envs run on
+        assert not third["end"].any()

@@ -1,0 +1,56 @@
+"""Stage-3 cost per noise method: the policy's share of an env step in rollouts, and PPO re-scoring time.
+
+Prints one row per (method, num_envs): raw simulator ms per env step (random actions), the policy's ms
+per env step inside ``reinflow.collect`` (chain sampling, values, bookkeeping), their ratio (issue 5's
+target: <= 0.25 on CPU), and the time to re-score a minibatch of 64 stored chains with gradients (hybrid
+runs one net call per sample instead of K).  Run it on an otherwise idle machine:
+
+    .venv/bin/python benchmarks/reinflow_overhead.py --checkpoint 01_shortcut_bc/cpu100/best_model.pt
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from flowlib import pirl, reinflow
+from flowlib.envs import make_env
+
+
+def rescoring_ms(agent, obs_window: torch.Tensor, repeats: int = 5) -> float:
+    chain, _, stochastic, _ = agent.sample(obs_window, torch.Generator().manual_seed(0), return_steps=True)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step_lp, entropy = agent.step_log_probs(obs_window, chain, stochastic)
+        (step_lp.sum() + entropy.sum()).backward()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * min(times)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default="", help="stage-1/2 best_model.pt under outputs/ ('' = 01_shortcut_bc/default)")
+    ap.add_argument("--methods", nargs="+", default=["reinflow", "flow_sde", "flow_sde+hybrid"], choices=sorted(pirl.VARIANTS))
+    ap.add_argument("--num-envs", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--K", type=int, default=4)
+    ap.add_argument("--decisions", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"{'method':>16} {'envs':>4} {'raw ms/step':>11} {'policy ms/step':>14} {'overhead':>8} {'rescore64 ms':>12}")
+    for n in args.num_envs:
+        with make_env("PickCube-v1", n) as env:
+            for method in args.methods:
+                cfg = reinflow.ReinFlowConfig(init_checkpoint=args.checkpoint, num_envs=n, num_inference_steps=args.K,
+                                              log_prob_over="executed", **pirl.VARIANTS[method])
+                agent, _ = reinflow.build_agent(cfg, reinflow.init_checkpoint_path(cfg), env.spec)
+                row = reinflow.overhead(agent, env, args.decisions)
+                obs = torch.randn(64, agent.obs_horizon, agent.obs_dim)
+                print(f"{method:>16} {n:>4} {row['raw_step_ms']:>11.2f} {row['policy_ms_per_env_step']:>14.2f} "
+                      f"{row['overhead_fraction']:>8.2f} {rescoring_ms(agent, obs):>12.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""The PPO toolkit shared by every noise method of stage 3: advantage estimators, losses, the update.
+
+Advantage estimators (all over chunk decisions, time-major ``[T, N]``, semi-MDP discounts ``gamma^tau``):
+
+- ``gae``: generalised advantage estimation (Schulman et al. 2016, Eq. 16);
+- ``mc``: Monte-Carlo returns to the episode end (bootstrapped at a truncation and at the rollout's end)
+  minus ``V``; equals GAE at ``lambda = 1``;
+- ``nstep``: ``n``-decision returns bootstrapped with ``V(s_{t+n})`` minus ``V``; ``n = 1`` is TD(0);
+- ``grpo``: group-relative advantages (Shao et al. 2024, DeepSeekMath Eq. 3, outcome supervision): the
+  episodes of a group start from the same env seed, and an episode's advantage is its return minus the
+  group mean, over the group std.  No critic is needed.
+
+Losses: the clipped surrogate (Schulman et al. 2017, Eq. 7) with the dual clip of Ye et al. 2020 (Eq. 5:
+for ``A < 0`` the loss is at most ``-c A``, ``c > 1``), a value loss that is squared or Huber and optionally
+clipped around the rollout's values, and the entropy bonus.  ``ppo_update`` runs epochs of minibatches with
+grad-norm clipping, ``target_kl`` early stop, and checks that the ratio is 1 on the first minibatch.
+
+Two ratio formulations (piRL Sec. 4.2): ``joint`` (one-layer MDP: the chain is one action, one ratio from
+the summed log-probs of its stochastic steps) and ``per_step`` (two-layer MDP: every stochastic denoising
+step is a transition of the inner MDP with zero reward and no discount, so it gets the env decision's
+advantage and its own clipped ratio; the loss averages over the stochastic steps).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ESTIMATORS = ("gae", "mc", "nstep", "grpo")
+
+
+# --------------------------------------------------------------------------- advantages
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor, discounts: torch.Tensor,
+        terminal: torch.Tensor, ends: torch.Tensor, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over chunk decisions (Schulman et al. 2016, Eq. 16, SMDP form).
+
+    All inputs ``[T, N]`` (time-major).  ``rewards``: in-chunk discounted sums ``R``; ``discounts``:
+    ``gamma^tau``; ``next_values``: ``V(s_{t+tau})`` (for a truncated episode, of its last
+    observation); ``terminal``: the episode terminated in this chunk (no bootstrap); ``ends``:
+    the episode ended here (terminated or truncated: the recursion does not cross it).
+
+        delta_t = R_t + gamma^tau_t (1 - terminal_t) V(s_{t+tau}) - V(s_t)
+        A_t     = delta_t + gamma^tau_t lambda (1 - end_t) A_{t+1}
+
+    Returns ``(advantages, returns = advantages + values)``.
+    """
+    T = rewards.shape[0]
+    not_terminal, not_end = 1.0 - terminal.float(), 1.0 - ends.float()
+    deltas = rewards + discounts * not_terminal * next_values - values
+    adv = torch.zeros_like(rewards)
+    last = torch.zeros_like(rewards[0])
+    for t in reversed(range(T)):
+        last = deltas[t] + discounts[t] * lam * not_end[t] * last
+        adv[t] = last
+    return adv, adv + values
+
+
+def mc_returns(rewards: torch.Tensor, next_values: torch.Tensor, discounts: torch.Tensor,
+               terminal: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Discounted returns to the episode's end, ``[T, N]``::
+
+        G_t = R_t + gamma^tau_t [(1 - end_t) G_{t+1} + end_t (1 - terminal_t) V(s_{t+tau})]
+
+    with ``G_{T} := V(s_{T})`` at the rollout's cut (the last decision bootstraps like a truncation).
+    """
+    T = rewards.shape[0]
+    not_terminal, end = 1.0 - terminal.float(), ends.float()
+    out = torch.zeros_like(rewards)
+    nxt = next_values[-1] * not_terminal[-1]
+    for t in reversed(range(T)):
+        boot = not_terminal[t] * next_values[t]
+        follow = nxt if t < T - 1 else boot
+        out[t] = rewards[t] + discounts[t] * ((1 - end[t]) * follow + end[t] * boot)
+        nxt = out[t]
+    return out
+
+
+def nstep_returns(rewards: torch.Tensor, next_values: torch.Tensor, discounts: torch.Tensor,
+                  terminal: torch.Tensor, ends: torch.Tensor, n: int) -> torch.Tensor:
+    """``n``-decision returns ``G_t = sum_{i<m} D_{t,i} R_{t+i} + D_{t,m} (1 - terminal) V(s_{t+m})``, ``[T, N]``.
+
+    ``D_{t,i}`` is the product of the first ``i`` discounts ``gamma^tau``; ``m <= n`` stops early at an
+    episode's end (bootstrapping only after a truncation) or at the rollout's last decision.
+    """
+    if n < 1:
+        raise ValueError(f"n_step must be >= 1, got {n}")
+    T = rewards.shape[0]
+    not_terminal, end = 1.0 - terminal.float(), ends.bool()
+    out = torch.zeros_like(rewards)
+    for t in range(T):
+        acc, disc = torch.zeros_like(rewards[0]), torch.ones_like(rewards[0])
+        open_ = torch.ones_like(end[0])  # the episode of the decision at t is still running
+        for i in range(min(n, T - t)):
+            j = t + i
+            acc = acc + open_ * disc * rewards[j]
+            disc_next = disc * discounts[j]
+            stop = end[j] | (i == min(n, T - t) - 1)  # bootstrap here
+            acc = acc + (open_ & stop) * disc_next * not_terminal[j] * next_values[j]
+            open_ = open_ & ~stop
+            disc = disc_next
+        out[t] = acc
+    return out
+
+
+def grpo_advantages(scores: torch.Tensor, groups: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``(score - mean_group) / (std_group + eps)`` per element; a group of one gets 0.  ``[E], [E] -> [E]``."""
+    adv = torch.zeros_like(scores)
+    for g in groups.unique():
+        m = groups == g
+        s = scores[m]
+        adv[m] = 0.0 if s.numel() < 2 else (s - s.mean()) / (s.std() + eps)
+    return adv
+
+
+def explained_variance(pred: torch.Tensor, target: torch.Tensor) -> float:
+    """``1 - Var[target - pred] / Var[target]`` (1 = perfect, 0 = no better than the mean)."""
+    var = target.var()
+    return float("nan") if var == 0 else float(1 - (target - pred).var() / var)
+
+
+# --------------------------------------------------------------------------- losses
+
+
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip: float, dual_clip: float = 0.0) -> torch.Tensor:
+    """Per-element PPO policy loss ``-min(rho A, clip(rho, 1 +- eps) A)`` (Schulman et al. 2017, Eq. 7).
+
+    With ``dual_clip = c > 1`` (Ye et al. 2020, Eq. 5), for ``A < 0`` the loss is capped at ``-c A``: a huge
+    ratio on a bad action can no longer dominate the batch.
+    """
+    loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip))
+    if dual_clip:
+        if dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1 (or 0 for off), got {dual_clip}")
+        loss = torch.where(adv < 0, torch.min(loss, -dual_clip * adv), loss)
+    return loss
+
+
+def value_loss(value: torch.Tensor, old_value: torch.Tensor, returns: torch.Tensor, clip: float = 0.0,
+               huber_delta: float = 0.0) -> torch.Tensor:
+    """Per-element value loss: ``0.5 (V - G)^2`` or Huber(``delta``); with ``clip > 0`` the max of the loss of
+    ``V`` and of ``V`` clipped to ``old_value +- clip`` (PPO2's value clipping)."""
+    def f(pred):
+        if huber_delta:
+            return F.huber_loss(pred, returns, reduction="none", delta=huber_delta)
+        return 0.5 * (pred - returns) ** 2
+    loss = f(value)
+    if clip > 0:
+        loss = torch.max(loss, f(old_value + (value - old_value).clamp(-clip, clip)))
+    return loss
+
+
+def _masked_mean(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x * w).sum() / w.sum().clamp(min=1e-8)
+
+
+# --------------------------------------------------------------------------- the update
+
+
+def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg, train_policy: bool = True,
+               generator: torch.Generator | None = None) -> dict[str, float]:
+    """Epochs of PPO minibatches over a flat batch of chain decisions.
+
+    ``batch``: ``obs``, ``chains [n, K+1, H, A]``, ``stochastic [n, K]``, ``step_log_probs [n, K]`` (at
+    sampling), ``values``, ``advantages``, ``returns`` and optionally ``weights [n]`` (0 drops a row).
+    ``agent`` provides ``value(obs)``, ``step_log_probs(obs, chains, stochastic) -> ([n, K], entropy [n])``,
+    ``joint_log_prob(step_log_probs, stochastic, chains)``, ``policy_parameters()``, ``value_parameters()``.
+    ``cfg`` provides the PPO fields of ``ReinFlowConfig``.
+
+    ``L = policy_loss - c_H H[noise] + c_v value_loss``.  Before the first optimiser step the stored and
+    re-scored log-probs are the same computation on the same grid, so every ratio must be 1: checked
+    on the first minibatch, every update.  ``train_policy=False`` (critic warm-up) fits only the value.
+    """
+    device = next(agent.parameters()).device
+    batch = {k: v.to(device) for k, v in batch.items()}
+    n = len(batch["returns"])
+    weights = batch.get("weights", torch.ones(n, device=device))
+    adv_all = batch["advantages"]
+    if cfg.norm_adv and weights.sum() > 1:
+        mean = _masked_mean(adv_all, weights)
+        std = _masked_mean((adv_all - mean) ** 2, weights).sqrt()
+        adv_all = (adv_all - mean) / (std + 1e-8)
+    stats: dict[str, list[float]] = {k: [] for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac")}
+    first, stopped_early, epoch = True, False, 0
+    for epoch in range(cfg.update_epochs):
+        perm = torch.randperm(n, generator=generator).to(device)
+        for start in range(0, n, cfg.minibatch_size):
+            idx = perm[start:start + cfg.minibatch_size]
+            w = weights[idx]
+            if w.sum() == 0:
+                continue
+            value = agent.value(batch["obs"][idx])
+            v_loss = _masked_mean(value_loss(value, batch["values"][idx], batch["returns"][idx], cfg.value_clip,
+                                             cfg.huber_delta), w)
+            loss = cfg.vf_coef * v_loss
+            if train_policy:
+                stoch = batch["stochastic"][idx]
+                step_lp, entropy = agent.step_log_probs(batch["obs"][idx], batch["chains"][idx], stoch)
+                adv = adv_all[idx]
+                if cfg.ratio_mode == "joint":
+                    new = agent.joint_log_prob(step_lp, stoch, batch["chains"][idx])
+                    old = agent.joint_log_prob(batch["step_log_probs"][idx], stoch, batch["chains"][idx])
+                    log_ratio, row_w = (new - old)[:, None], w[:, None]                 # [b, 1]
+                    surrogate = clipped_surrogate(log_ratio.exp(), adv[:, None], cfg.clip_coef, cfg.dual_clip)
+                else:  # per_step: one ratio per stochastic denoising step (two-layer MDP)
+                    log_ratio = torch.where(stoch, step_lp - batch["step_log_probs"][idx], 0.0)  # [b, K]
+                    row_w = w[:, None] * stoch.float() / stoch.float().sum(1, keepdim=True).clamp(min=1)
+                    surrogate = clipped_surrogate(log_ratio.exp(), adv[:, None].expand_as(log_ratio),
+                                                  cfg.clip_coef, cfg.dual_clip)
+                ratio = log_ratio.exp()
+                live = row_w > 0
+                if first:
+                    err = (ratio - 1)[live].abs().max().item()
+                    if err > 1e-3:
+                        raise RuntimeError(f"PPO ratio is {1 + err:.4g}, not 1, before any update: sampling and "
+                                           "re-scoring disagree (time grid, noise or normalisation differ)")
+                    first = False
+                policy_loss = (surrogate * row_w).sum() / row_w.sum().clamp(min=1e-8)
+                entropy_mean = _masked_mean(entropy, w)
+                loss = loss + policy_loss - cfg.ent_coef * entropy_mean
+                with torch.no_grad():
+                    stats["approx_kl"].append(((ratio - 1) - log_ratio)[live].mean().item())  # Schulman's k3
+                    stats["clip_frac"].append(((ratio - 1).abs() > cfg.clip_coef)[live].float().mean().item())
+                stats["policy_loss"].append(policy_loss.item())
+                stats["entropy"].append(entropy_mean.item())
+            stats["value_loss"].append(v_loss.item())
+            actor_opt.zero_grad(set_to_none=True)
+            critic_opt.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(agent.value_parameters(), cfg.max_grad_norm)
+            critic_opt.step()
+            if train_policy:
+                nn.utils.clip_grad_norm_(agent.policy_parameters(), cfg.max_grad_norm)
+                actor_opt.step()
+            if train_policy and cfg.target_kl and stats["approx_kl"][-1] > cfg.target_kl:
+                stopped_early = True
+                break
+        if stopped_early:
+            break
+    out = {k: float(sum(v) / len(v)) for k, v in stats.items() if v}
+    out["epochs"] = epoch + 1
+    out["kl_early_stop"] = float(stopped_early)
+    return out

@@ -1,0 +1,132 @@
+"""The PPO toolkit: advantage estimators against each other and by hand, GRPO groups, dual clip,
+Huber value clipping, the two ratio formulations, and the critic on the velocity net's features."""
+import pytest
+import torch
+
+from flowlib import ppo, reinflow
+
+from test_flow_sde import agent_for
+
+
+def rollout(T=6, N=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rewards, values, next_values = (torch.rand(T, N, generator=g) for _ in range(3))
+    discounts = 0.99 ** torch.randint(1, 9, (T, N), generator=g).float()
+    terminal = torch.zeros(T, N, dtype=torch.bool)
+    ends = torch.zeros(T, N, dtype=torch.bool)
+    terminal[1, 0] = ends[1, 0] = True      # a termination mid-rollout
+    ends[3, 1] = True                       # a truncation (bootstraps)
+    terminal[4, 2] = ends[4, 2] = True
+    # as in a rollout: the value after a decision is the next decision's value unless the episode ended
+    next_values[:-1] = torch.where(ends[:-1], next_values[:-1], values[1:])
+    return rewards, values, next_values, discounts, terminal, ends
+
+
+def test_gae_at_lambda_one_equals_mc_returns_minus_values():
+    R, V, V_next, disc, term, ends = rollout()
+    adv, ret = ppo.gae(R, V, V_next, disc, term, ends, lam=1.0)
+    mc = ppo.mc_returns(R, V_next, disc, term, ends)
+    assert torch.allclose(adv, mc - V, atol=1e-6) and torch.allclose(ret, mc, atol=1e-6)
+    # by hand, env 0 (terminates at t=1): G_1 = R_1, G_0 = R_0 + g_0 R_1
+    assert torch.isclose(mc[0, 0], R[0, 0] + disc[0, 0] * R[1, 0])
+    # env 1 truncates at t=3: G_3 = R_3 + g_3 V(s')
+    assert torch.isclose(mc[3, 1], R[3, 1] + disc[3, 1] * V_next[3, 1])
+
+
+def test_nstep_is_td0_at_one_and_mc_beyond_the_rollout():
+    R, V, V_next, disc, term, ends = rollout()
+    td0 = R + disc * (~term).float() * V_next
+    assert torch.allclose(ppo.nstep_returns(R, V_next, disc, term, ends, 1), td0, atol=1e-6)
+    assert torch.allclose(ppo.nstep_returns(R, V_next, disc, term, ends, 50),
+                          ppo.mc_returns(R, V_next, disc, term, ends), atol=1e-6)
+    two = ppo.nstep_returns(R, V_next, disc, term, ends, 2)
+    # env 2, t=2: no end at t=2, so R_2 + g_2 R_3 + g_2 g_3 V(s_4)
+    assert torch.isclose(two[2, 2], R[2, 2] + disc[2, 2] * R[3, 2] + disc[2, 2] * disc[3, 2] * V_next[3, 2])
+    with pytest.raises(ValueError, match="n_step"):
+        ppo.nstep_returns(R, V_next, disc, term, ends, 0)
+
+
+def test_grpo_advantages_have_zero_mean_and_unit_spread_per_group():
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.9, 0.5, 0.5, 3.0])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1, 2])
+    adv = ppo.grpo_advantages(scores, groups)
+    for g in (0, 1):
+        assert abs(float(adv[groups == g].mean())) < 1e-6
+    assert torch.isclose(adv[groups == 0].std(), torch.tensor(1.0), atol=1e-4)
+    assert adv[-1] == 0  # a group of one has no baseline
+    assert adv[0] > 0 > adv[1]
+
+
+def test_dual_clip_bounds_the_loss_for_negative_advantages():
+    ratio = torch.tensor([0.5, 1.0, 2.0, 10.0, 100.0])
+    adv = -torch.ones(5)
+    plain = ppo.clipped_surrogate(ratio, adv, 0.2)
+    dual = ppo.clipped_surrogate(ratio, adv, 0.2, dual_clip=3.0)
+    assert plain[-1] == 100.0 and (dual <= 3.0).all() and dual[-1] == 3.0
+    assert torch.equal(dual[:3], plain[:3])  # below the cap nothing changes
+    pos = ppo.clipped_surrogate(ratio, -adv, 0.2, dual_clip=3.0)
+    assert torch.equal(pos, ppo.clipped_surrogate(ratio, -adv, 0.2))  # positive advantages untouched
+    with pytest.raises(ValueError, match="dual_clip"):
+        ppo.clipped_surrogate(ratio, adv, 0.2, dual_clip=0.5)
+
+
+def test_huber_value_loss_with_clipping():
+    v, old, G = torch.tensor([3.0, 0.1]), torch.tensor([0.0, 0.0]), torch.tensor([0.0, 0.0])
+    assert torch.allclose(ppo.value_loss(v, old, G, huber_delta=1.0), torch.tensor([2.5, 0.005]))
+    assert torch.allclose(ppo.value_loss(v, old, G), torch.tensor([4.5, 0.005]))
+    # clipped to old +- 0.5: the max of the two losses keeps the larger (unclipped) one here
+    assert torch.allclose(ppo.value_loss(v, old, G, clip=0.5, huber_delta=1.0), torch.tensor([2.5, 0.005]))
+    G2 = torch.tensor([3.0, 0.0])
+    assert torch.allclose(ppo.value_loss(v, old, G2, clip=0.5), torch.tensor([0.5 * 2.5 ** 2, 0.005]))
+
+
+def batch_of(agent, obs):
+    chain, log_prob, stochastic, step_lp = agent.sample(obs, torch.Generator().manual_seed(3), return_steps=True)
+    n = len(obs)
+    return {"obs": obs, "chains": chain, "log_probs": log_prob, "stochastic": stochastic, "step_log_probs": step_lp,
+            "values": torch.zeros(n), "advantages": torch.linspace(-1, 1, n), "returns": torch.randn(n)}
+
+
+def one_update(agent, batch, **cfg_kw):
+    cfg = reinflow.ReinFlowConfig(minibatch_size=len(batch["obs"]), update_epochs=1, norm_adv=False, **cfg_kw)
+    opt_a = torch.optim.SGD(agent.policy_parameters(), 1e-2)
+    opt_c = torch.optim.SGD(agent.value_parameters(), 1e-2)
+    return ppo.ppo_update(agent, batch, opt_a, opt_c, cfg)
+
+
+def test_with_one_stochastic_step_the_joint_and_per_step_ratios_give_the_same_update():
+    results = []
+    for mode in ("joint", "per_step"):
+        agent, obs = agent_for("flow_sde", hybrid=True)
+        stats = one_update(agent, batch_of(agent, obs), ratio_mode=mode)
+        results.append((stats["policy_loss"], [p.detach().clone() for p in agent.policy_parameters()]))
+    assert abs(results[0][0] - results[1][0]) < 1e-6
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(results[0][1], results[1][1]))
+    # both formulations check that every ratio starts at 1
+    for mode in ("joint", "per_step"):
+        agent, obs = agent_for("flow_sde")
+        batch = batch_of(agent, obs)
+        batch["step_log_probs"] = batch["step_log_probs"] - 0.05 * torch.arange(4.0)  # as after some updates
+        with pytest.raises(RuntimeError, match="not 1"):
+            one_update(agent, batch, ratio_mode=mode)
+
+
+def test_zero_weight_rows_do_not_move_the_policy():
+    agent, obs = agent_for("reinflow")
+    batch = batch_of(agent, obs)
+    batch["weights"] = torch.zeros(len(obs))
+    before = [p.detach().clone() for p in agent.policy_parameters()]
+    one_update(agent, batch)
+    assert all(torch.equal(a, b) for a, b in zip(before, agent.policy_parameters()))
+
+
+@pytest.mark.parametrize("detach", [True, False])
+def test_critic_on_velocity_features_and_its_detach(detach):
+    agent, obs = agent_for("flow_sde", critic_input="velocity_features", detach_critic_input=detach)
+    value = agent.value(obs)
+    assert value.shape == (6,)
+    value.sum().backward()
+    base_grads = [p.grad for p in agent.actor.base.parameters()]
+    touched = any(g is not None and g.abs().sum() > 0 for g in base_grads)
+    assert touched is (not detach)
+    assert all(p.grad is not None for p in agent.value_parameters())
