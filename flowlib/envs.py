@@ -72,6 +72,7 @@ def _make_cpu_env(env_id, obs_mode, control_mode, reward_mode, max_episode_steps
     return CPUGymWrapper(env, ignore_terminations=True)
 
 
+@functools.cache
 def _steppable_sync_vector_env():
     """gymnasium's SyncVectorEnv for one in-process env, able to step an env whose episode ended."""
     import gymnasium as gym

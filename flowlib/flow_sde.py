@@ -127,17 +127,16 @@ def full_mask(batch: int, num_steps: int, eligible: int) -> torch.Tensor:
     return mask
 
 
-StepFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
-
-
 @torch.no_grad()
-def sample_chain(step_fn: StepFn, x0: torch.Tensor, num_steps: int, method: str, noise_level: float = 0.0,
-                 stochastic: torch.Tensor | None = None, generator: torch.Generator | None = None,
-                 scored: Callable[[torch.Tensor], torch.Tensor] = lambda x: x):
+def sample_chain(velocity_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x0: torch.Tensor, num_steps: int,
+                 method: str, noise_level: float = 0.0, stochastic: torch.Tensor | None = None,
+                 generator: torch.Generator | None = None, scored: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
+                 noise_std_fn: Callable[[torch.Tensor], torch.Tensor] | None = None):
     """Run ``K`` steps on ``flows.time_grid(K)`` from ``x0 [B, ...]``.
 
-    ``step_fn(x, t) -> (velocity, noise_std or None)``.  Steps where ``stochastic [B, K]`` is True draw
-    from ``transition(...)``; the others take the ODE step ``x + v dt``.  ``stochastic=None`` is the ODE.
+    ``velocity_fn(x, t) -> velocity``; ``noise_std_fn(t) -> noise_std`` (learned-noise methods) is called only
+    at steps that carry noise.  Steps where ``stochastic [B, K]`` is True draw from ``transition(...)``;
+    the others take the ODE step ``x + v dt``.  ``stochastic=None`` is the ODE.
     Returns ``chain [B, K+1, ...]`` and the per-step log-probs ``[B, K]`` (0 at ODE steps) of the
     dims that ``scored`` selects (all by default).
     """
@@ -150,9 +149,10 @@ def sample_chain(step_fn: StepFn, x0: torch.Tensor, num_steps: int, method: str,
     x, chain, log_probs = x0, [x0], torch.zeros(B, K, device=x0.device)
     for k in range(K):
         t = grid[k].expand(B)
-        velocity, noise_std = step_fn(x, t)
+        velocity = velocity_fn(x, t)
         ode = x + velocity * dt
         if mask[:, k].any():
+            noise_std = noise_std_fn(t) if noise_std_fn is not None else None
             mean, std = transition(method, x, velocity, t, dt, noise_level, noise_std)
             eps = torch.randn(x.shape, generator=generator).to(x.device)
             noisy = mean + std * eps

@@ -18,7 +18,7 @@ import torch
 from . import bc, flow_sde, reinflow
 from .config import ConfigError, require, validate
 from .metrics import sliced_wasserstein
-from .runs import save_json
+from .runs import read_metrics, save_json
 from .tracking import Tracker
 
 # the comparison's variants: name -> ReinFlowConfig overrides
@@ -80,20 +80,20 @@ class FlowSDEConfig:
 # --------------------------------------------------------------------------- 2D
 
 
-def marginal_table(step_fn, num_steps: int, noise_levels: list[float], n: int, seed: int = 0,
+def marginal_table(velocity_fn, num_steps: int, noise_levels: list[float], n: int, seed: int = 0,
                    method: str = "flow_sde") -> list[dict]:
     """SDE samples at each noise level ``a`` against ODE samples (sliced Wasserstein-1), with the distance
     between two independent ODE sample sets of the same size as the yardstick; also how far one path moves
-    (mean ``||x_1^SDE - x_1^ODE||`` from the same ``x_0``).  ``step_fn(x, t) -> (velocity, None)``."""
+    (mean ``||x_1^SDE - x_1^ODE||`` from the same ``x_0``).  ``velocity_fn(x, t) -> velocity``."""
     g = lambda s: torch.Generator().manual_seed(seed * 1000 + s)
     x0 = torch.randn(n, 2, generator=g(0))
-    ode, _ = flow_sde.sample_chain(step_fn, x0, num_steps, method)
-    ode2, _ = flow_sde.sample_chain(step_fn, torch.randn(n, 2, generator=g(1)), num_steps, method)
+    ode, _ = flow_sde.sample_chain(velocity_fn, x0, num_steps, method)
+    ode2, _ = flow_sde.sample_chain(velocity_fn, torch.randn(n, 2, generator=g(1)), num_steps, method)
     yardstick = sliced_wasserstein(ode[:, -1], ode2[:, -1])
     rows = []
     mask = flow_sde.full_mask(n, num_steps, flow_sde.stochastic_steps(method, num_steps))
     for i, a in enumerate(noise_levels):
-        sde, _ = flow_sde.sample_chain(step_fn, x0, num_steps, method, a, mask, g(2 + i))
+        sde, _ = flow_sde.sample_chain(velocity_fn, x0, num_steps, method, a, mask, g(2 + i))
         dist = sliced_wasserstein(sde[:, -1], ode[:, -1])
         rows.append({"a": a, "K": num_steps, "sw_sde_vs_ode": dist, "sw_ode_vs_ode": yardstick,
                      "ratio": dist / yardstick, "within_1.5x": dist <= 1.5 * yardstick,
@@ -101,7 +101,7 @@ def marginal_table(step_fn, num_steps: int, noise_levels: list[float], n: int, s
     return rows
 
 
-def log_prob_table(step_fn, steps: list[int], noise_levels: list[float], n: int = 2000, seed: int = 0,
+def log_prob_table(velocity_fn, steps: list[int], noise_levels: list[float], n: int = 2000, seed: int = 0,
                    method: str = "flow_sde") -> list[dict]:
     """Joint log-probs of SDE chains (sum over the stochastic steps) for each ``K`` and ``a``: mean and spread
     per chain and per step, and the log-prob of the one step a hybrid chain would score."""
@@ -115,7 +115,7 @@ def log_prob_table(step_fn, steps: list[int], noise_levels: list[float], n: int 
                 continue
             gen = torch.Generator().manual_seed(seed)
             x0 = torch.randn(n, 2, generator=gen)
-            _, step_lp = flow_sde.sample_chain(step_fn, x0, K, method, a, flow_sde.full_mask(n, K, eligible), gen)
+            _, step_lp = flow_sde.sample_chain(velocity_fn, x0, K, method, a, flow_sde.full_mask(n, K, eligible), gen)
             joint = step_lp.sum(1)
             rows.append({"K": K, "a": a, "log_prob_mean": float(joint.mean()), "log_prob_std": float(joint.std()),
                          "per_step_mean": float(joint.mean()) / eligible,
@@ -148,8 +148,7 @@ def run_method(cfg: FlowSDEConfig, method: str, seed: int, env, run_path: Path, 
     path = Path(run_path) / rcfg.run_name
     done = path / "summary.json"
     if cfg.resume and done.exists():
-        rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line]
-        return {**json.loads(done.read_text()), "rows": rows}
+        return {**json.loads(done.read_text()), "rows": read_metrics(path)}
     torch.manual_seed(seed)
     agent, _ = reinflow.build_agent(rcfg, reinflow.init_checkpoint_path(rcfg), env.spec)
     tracker = Tracker(path, dataclasses.asdict(rcfg), wandb_mode=cfg.wandb_mode, project="flowlib-04",

@@ -162,8 +162,9 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
                generator: torch.Generator | None = None) -> dict[str, float]:
     """Epochs of PPO minibatches over a flat batch of chain decisions.
 
-    ``batch``: ``obs``, ``chains [n, K+1, H, A]``, ``stochastic [n, K]``, ``step_log_probs [n, K]`` (at
-    sampling), ``values``, ``advantages``, ``returns`` and optionally ``weights [n]`` (0 drops a row).
+    ``batch``: ``obs``, ``chains [n, K+1, H, A]``, ``stochastic [n, K]``, ``log_probs [n]`` (joint) and
+    ``step_log_probs [n, K]`` (at sampling), ``values``, ``advantages``, ``returns`` and optionally
+    ``weights [n]`` (0 drops a row).
     ``agent`` provides ``value(obs)``, ``step_log_probs(obs, chains, stochastic) -> ([n, K], entropy [n])``,
     ``joint_log_prob(step_log_probs, stochastic, chains)``, ``policy_parameters()``, ``value_parameters()``.
     ``cfg`` provides the PPO fields of ``ReinFlowConfig``.
@@ -200,8 +201,7 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
                 adv = adv_all[idx]
                 if cfg.ratio_mode == "joint":
                     new = agent.joint_log_prob(step_lp, stoch, batch["chains"][idx])
-                    old = agent.joint_log_prob(batch["step_log_probs"][idx], stoch, batch["chains"][idx])
-                    log_ratio, row_w = (new - old)[:, None], w[:, None]                 # [b, 1]
+                    log_ratio, row_w = (new - batch["log_probs"][idx])[:, None], w[:, None]  # [b, 1]
                     surrogate = clipped_surrogate(log_ratio.exp(), adv[:, None], cfg.clip_coef, cfg.dual_clip)
                 else:  # per_step: one ratio per stochastic denoising step (two-layer MDP)
                     log_ratio = torch.where(stoch, step_lp - batch["step_log_probs"][idx], 0.0)  # [b, K]

@@ -223,12 +223,11 @@ class ReinFlowAgent(nn.Module):
         d = torch.full((B,), self.d, device=device)
         return grid, d
 
-    def _step(self, x, t, d, o):
-        """``(velocity [B, H, A], noise_std [B, 1, A] or None)`` at ``(x_k, t_k)``."""
-        velocity = self.actor.base(x, t, d, o)
+    def _noise_std(self, t, o):
+        """The learned std ``[B, 1, A]`` at ``t_k`` (shared over the chunk's H steps), or None (SDE / CPS)."""
         if self.noise_method not in LEARNED_NOISE:
-            return velocity, None
-        return velocity, self.actor.noise_net(t, o.flatten(1))[:, None, :]
+            return None
+        return self.actor.noise_net(t, o.flatten(1))[:, None, :]
 
     def stochastic_mask(self, B: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """Which of the ``K`` steps carry noise, ``[B, K]``: all eligible ones, or one at random (hybrid)."""
@@ -255,8 +254,9 @@ class ReinFlowAgent(nn.Module):
         x0 = torch.randn(B, self.pred_horizon, self.action_dim, generator=generator).to(device)
         grid, d = self._grid(B, device)
         stochastic = torch.zeros(B, self.K, dtype=torch.bool) if deterministic else self.stochastic_mask(B, generator)
-        chain, step_lp = sample_chain(lambda x, t: self._step(x, t, d, o), x0, self.K, self.noise_method,
-                                      float(self.noise_level), stochastic, generator, scored=self._scored)
+        chain, step_lp = sample_chain(lambda x, t: self.actor.base(x, t, d, o), x0, self.K, self.noise_method,
+                                      float(self.noise_level), stochastic, generator, scored=self._scored,
+                                      noise_std_fn=lambda t: self._noise_std(t, o))
         stochastic = stochastic.to(device)
         log_prob = torch.zeros(B, device=device) if deterministic else self.joint_log_prob(step_lp, stochastic, chain)
         return (chain, log_prob, stochastic, step_lp) if return_steps else (chain, log_prob)
@@ -274,7 +274,8 @@ class ReinFlowAgent(nn.Module):
         b, k = stochastic.nonzero(as_tuple=True)                              # the stochastic pairs
         grid, _ = self._grid(len(b), chain.device)
         x, x_next, t = chain[b, k], chain[b, k + 1], grid[k]                  # [P, H, A] x2, [P]
-        velocity, noise_std = self._step(x, t, torch.full_like(t, self.d), o[b])
+        velocity = self.actor.base(x, t, torch.full_like(t, self.d), o[b])
+        noise_std = self._noise_std(t, o[b])
         mean, std = transition(self.noise_method, x, velocity, t, 1.0 / K, float(self.noise_level), noise_std)
         std = torch.as_tensor(std, dtype=x.dtype, device=x.device).expand_as(x)
         lp = gaussian_log_prob(self._scored(x_next), self._scored(mean), self._scored(std))          # [P]
@@ -285,9 +286,10 @@ class ReinFlowAgent(nn.Module):
 
     def log_prob(self, obs_window: torch.Tensor, chain: torch.Tensor, stochastic: torch.Tensor | None = None):
         """Joint log-prob of stored chains ``[B]`` (``joint_log_prob`` of ``step_log_probs``) and the entropy ``[B]``."""
-        step_lp, entropy = self.step_log_probs(obs_window, chain, stochastic)
         stochastic = full_mask(len(chain), self.K, self.eligible) if stochastic is None else stochastic
-        return self.joint_log_prob(step_lp, stochastic.to(chain.device), chain), entropy
+        stochastic = stochastic.to(chain.device)
+        step_lp, entropy = self.step_log_probs(obs_window, chain, stochastic)
+        return self.joint_log_prob(step_lp, stochastic, chain), entropy
 
     def actions(self, chain: torch.Tensor) -> torch.Tensor:
         """Executed actions in env units: ``x_K[To-1 : To-1+Ta]`` unnormalised, clipped to [-1, 1]."""

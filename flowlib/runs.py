@@ -71,6 +71,14 @@ def save_json(path: Path, obj: Any) -> Path:
     return save_text(path, json.dumps(obj, indent=2, default=_jsonable) + "\n")
 
 
+def read_metrics(run_path: Path) -> list[dict[str, Any]]:
+    """The rows of a run's ``metrics.jsonl`` (one JSON object per line), ``[]`` when there is none."""
+    path = Path(run_path) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def save_params(run_path: Path, cfg) -> Path:
     """Write the resolved parameters of a run as ``params.yaml``."""
     values = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .config import ConfigError
 from .run import config_class, resolve_parameters
-from .runs import REPO_ROOT, outputs_root, save_json
+from .runs import REPO_ROOT, outputs_root, read_metrics, save_json
 
 
 @dataclass
@@ -199,8 +199,7 @@ def load_sweep(sweep_dir: str | Path):
         variant = Path(job.params_file).stem
         tags = {"job": job.name, "variant": variant, "category": category(variant), "seed": job.seed}
         out = Path(job.out_dir)
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        curves += [{**tags, **row} for row in rows]
+        curves += [{**tags, **row} for row in read_metrics(out)]
         summary = json.loads((out / "summary.json").read_text())
         finals.append({**tags, "before": summary["before"]["success_once"], "after": summary["after"]["success_once"],
                        "train_time_s": summary["train_time_s"], "env_steps": summary["env_steps"]})

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .runs import run_dir, save_json, save_params
+from .runs import read_metrics, run_dir, save_json, save_params
 
 WANDB_MODES = ("disabled", "offline", "online")
 
@@ -35,7 +35,7 @@ class Tracker:
         self.jsonl = self.run_path / "metrics.jsonl"
         self.rows: list[dict[str, Any]] = []
         if resume and self.jsonl.exists():  # a resumed run keeps its history
-            self.rows = [json.loads(line) for line in self.jsonl.read_text().splitlines() if line.strip()]
+            self.rows = read_metrics(self.run_path)
         else:
             self.jsonl.write_text("")
         self.wandb_run = None

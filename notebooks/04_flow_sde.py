@@ -112,7 +112,7 @@ print(f"run folder: outputs/04_flow_sde/{cfg.run_name}")
 
 # %%
 means = toy2d.eight_gaussian_means()
-exact = lambda x, t: (toy2d.mixture_velocity(x, t, means, 0.15), None)
+exact = lambda x, t: toy2d.mixture_velocity(x, t, means, 0.15)
 exact_rows = pd.DataFrame(pirl.marginal_table(exact, cfg.marginal_steps, cfg.noise_levels, cfg.marginal_samples,
                                               cfg.seed))
 exact_rows.round(4)
@@ -132,7 +132,7 @@ flows_cfg = toy2d.Flows2DConfig(seed=cfg.seed, train_steps=cfg.reflow_train_step
 model = toy2d.build_model("reflow", flows_cfg)
 toy2d.train_2d(model, "two_moons", flows_cfg, desc="reflow two_moons")
 net = model.sampling_net()
-learned = lambda x, t: (model.step_velocity(net, x, t, 1.0 / cfg.marginal_steps), None)
+learned = lambda x, t: model.step_velocity(net, x, t, 1.0 / cfg.marginal_steps)
 with torch.no_grad():
     learned_rows = pd.DataFrame(pirl.marginal_table(learned, cfg.marginal_steps, cfg.noise_levels,
                                                     cfg.marginal_samples, cfg.seed))

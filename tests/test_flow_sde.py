@@ -111,7 +111,7 @@ def test_score_from_velocity_matches_the_closed_form_of_a_gaussian():
 
 def test_sde_samples_match_the_ode_marginals_while_paths_differ():
     means, std, K, n = eight_gaussian_means(), 0.15, 100, 3000
-    step = lambda x, t: (mixture_velocity(x, t, means, std), None)
+    step = lambda x, t: mixture_velocity(x, t, means, std)
     x0 = torch.randn(n, 2, generator=torch.Generator().manual_seed(0))
     ode, _ = flow_sde.sample_chain(step, x0, K, "flow_sde")
     ode2, _ = flow_sde.sample_chain(step, torch.randn(n, 2, generator=torch.Generator().manual_seed(1)), K, "flow_sde")
@@ -143,7 +143,7 @@ def test_marginal_table_flags_a_wrong_score():
     from flowlib import pirl
 
     means = eight_gaussian_means()
-    exact = lambda x, t: (mixture_velocity(x, t, means, 0.15), None)
+    exact = lambda x, t: mixture_velocity(x, t, means, 0.15)
     good = pirl.marginal_table(exact, 100, [1.0], 4000)[0]
     assert good["within_1.5x"]
     original = flow_sde.transition

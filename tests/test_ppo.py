@@ -107,6 +107,7 @@ def test_with_one_stochastic_step_the_joint_and_per_step_ratios_give_the_same_up
         agent, obs = agent_for("flow_sde")
         batch = batch_of(agent, obs)
         batch["step_log_probs"] = batch["step_log_probs"] - 0.05 * torch.arange(4.0)  # as after some updates
+        batch["log_probs"] = batch["log_probs"] - 0.3
         with pytest.raises(RuntimeError, match="not 1"):
             one_update(agent, batch, ratio_mode=mode)
 
