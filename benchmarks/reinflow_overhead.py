@@ -33,7 +33,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default="", help="stage-1/2 best_model.pt under outputs/ ('' = 01_shortcut_bc/default)")
     ap.add_argument("--methods", nargs="+", default=["reinflow", "flow_sde", "flow_sde+hybrid"], choices=sorted(pirl.VARIANTS))
-    ap.add_argument("--num-envs", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--num-envs", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--K", type=int, default=4)
     ap.add_argument("--decisions", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)

@@ -369,6 +369,7 @@ class ReinFlowConfig:
     max_episode_steps: int = 100
     backend: str = "auto"
     reward: str = "sparse"              # "sparse": 1 on success, which terminates; "dense": normalized_dense
+    reward_scale: float = 1.0           # learning sees reward_scale * r (value targets of O(1)); logged returns are raw
     # the denoising MDP
     num_inference_steps: int = 8        # K
     min_noise_std: float = 0.01
@@ -426,6 +427,7 @@ class ReinFlowConfig:
     def __post_init__(self):
         require([
             (self.reward in ("sparse", "dense"), f"reward must be 'sparse' or 'dense', got {self.reward!r}"),
+            (self.reward_scale > 0, f"reward_scale must be > 0, got {self.reward_scale}"),
             (self.log_prob_over in ("chunk", "executed"), f"log_prob_over must be 'chunk' or 'executed', got {self.log_prob_over!r}"),
             (self.noise_schedule in ("constant", "linear", "exp"),
              f"noise_schedule must be 'constant', 'linear' or 'exp', got {self.noise_schedule!r}"),
@@ -460,11 +462,14 @@ class ChunkRunner:
     """Steps ``N`` envs one chunk decision at a time and keeps what persists across iterations:
     the observation windows ``[N, To, O]``, per-episode return / success / length, and the next
     episode seed.  Episodes end on termination (success, with ``reward="sparse"``) or at the time
-    limit; an ended env is reset alone (``env.reset_some``) with the next training seed.
+    limit; an ended env is reset alone (``env.reset_some``) with the next training seed.  The
+    decisions' rewards are scaled by ``reward_scale``; the episode returns it logs are not.
     """
 
-    def __init__(self, env, obs_horizon: int, gamma: float, reward: str = "sparse", first_seed: int = 2_000_000):
+    def __init__(self, env, obs_horizon: int, gamma: float, reward: str = "sparse", first_seed: int = 2_000_000,
+                 reward_scale: float = 1.0):
         self.env, self.obs_horizon, self.gamma, self.reward = env, obs_horizon, gamma, reward
+        self.reward_scale = reward_scale
         N = env.num_envs
         self.next_seed = first_seed + N
         obs = env.reset(seed=first_seed)
@@ -502,7 +507,7 @@ class ChunkRunner:
             obs, r, term, trunc, success = (x.cpu() for x in self.env.step(actions[:, k].to(self.env.device)))
             r = success.float() if self.reward == "sparse" else r
             term = success if self.reward == "sparse" else term
-            reward += alive * discount * r
+            reward += alive * discount * r * self.reward_scale
             self.ep_return += alive * r
             self.ep_success |= alive & success
             self.ep_length += alive.long()
@@ -679,7 +684,8 @@ def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracke
         if tracker is not None:
             tracker.rewind(env_steps)
         print(f"resumed from {last} at iteration {start} ({env_steps} env steps)")
-    runner = ChunkRunner(env, agent.obs_horizon, cfg.gamma, cfg.reward, first_seed=next_seed)
+    runner = ChunkRunner(env, agent.obs_horizon, cfg.gamma, cfg.reward, first_seed=next_seed,
+                         reward_scale=cfg.reward_scale)
     runner.env_steps = env_steps
     gen = torch.Generator().manual_seed(cfg.seed * 100_003 + start)
     bar = tqdm(total=num_iters, initial=start, desc="ReinFlow", mininterval=10)

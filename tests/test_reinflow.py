@@ -226,3 +226,17 @@ def test_an_episode_ending_inside_a_chunk_is_handled_with_one_env_and_with_sever
         assert [e["length"] for e in runner.pop_finished()] == [10] * num_envs
         third = runner.step_chunk(actions)  # the reset envs run on
         assert not third["end"].any()
+
+
+def test_reward_scale_scales_what_learning_sees_and_not_the_logged_return():
+    with make_env("PickCube-v1", 1, max_episode_steps=8) as env:
+        out = []
+        for scale in (1.0, 0.1):
+            runner = reinflow.ChunkRunner(env, obs_horizon=2, gamma=0.9, reward="dense", first_seed=5, reward_scale=scale)
+            step = runner.step_chunk(torch.zeros(1, 8, ACT_DIM))
+            out.append((step["reward"], runner.pop_finished()[0]["return"]))
+    (r1, ret1), (r01, ret01) = out
+    assert r1.item() > 0 and torch.allclose(r01, 0.1 * r1)
+    assert ret1 == pytest.approx(ret01) and ret1 > r1.item()  # undiscounted, unscaled episode return
+    with pytest.raises(ValueError, match="reward_scale"):
+        reinflow.ReinFlowConfig(reward_scale=0.0)
