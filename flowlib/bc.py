@@ -88,20 +88,25 @@ class FlowPolicy(nn.Module):
         super().__init__()
         self.flow, self.obs_normalizer, self.action_normalizer, self.meta = flow, obs_normalizer, action_normalizer, meta
         self.obs_horizon, self.pred_horizon, self.act_horizon = meta["obs_horizon"], meta["pred_horizon"], meta["act_horizon"]
+        self.action_dim = meta["action_dim"]
 
     @torch.no_grad()
     def sample_chunk(self, obs_window: torch.Tensor, num_steps: int, generator: torch.Generator | None = None,
-                     use_ema: bool = True) -> torch.Tensor:
-        """Raw ``obs_window [N, To, O]`` -> raw action chunk ``[N, H, A]`` by ``num_steps`` ODE steps."""
+                     use_ema: bool = True, x0: torch.Tensor | None = None) -> torch.Tensor:
+        """Raw ``obs_window [N, To, O]`` -> raw action chunk ``[N, H, A]`` by ``num_steps`` ODE steps
+        from ``x0 [N, H, A]`` (drawn from ``generator`` when not given)."""
         N = obs_window.shape[0]
-        noise = torch.randn(N, self.pred_horizon, self.meta["action_dim"], generator=generator).to(obs_window.device)
-        x = self.flow.sample(noise, num_steps, obs=self.obs_normalizer.normalize(obs_window), use_ema=use_ema)
+        if x0 is None:
+            x0 = torch.randn(N, self.pred_horizon, self.action_dim, generator=generator)
+        x = self.flow.sample(x0.to(obs_window.device), num_steps, obs=self.obs_normalizer.normalize(obs_window),
+                             use_ema=use_ema)
         return self.action_normalizer.unnormalize(x)
 
-    def act(self, obs_window: torch.Tensor, num_steps: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    def act(self, obs_window: torch.Tensor, num_steps: int, generator: torch.Generator | None = None,
+            x0: torch.Tensor | None = None) -> torch.Tensor:
         """The ``act_horizon`` actions to execute now: ``chunk[To - 1 : To - 1 + act_horizon]``, ``[N, Ta, A]``."""
         start = self.obs_horizon - 1
-        return self.sample_chunk(obs_window, num_steps, generator)[:, start:start + self.act_horizon]
+        return self.sample_chunk(obs_window, num_steps, generator, x0=x0)[:, start:start + self.act_horizon]
 
 
 def build_policy(meta: dict[str, Any], obs_normalizer: Normalizer | None = None,
@@ -190,18 +195,21 @@ def evaluate(policy: FlowPolicy, env, num_episodes: int, num_inference_steps: in
 
     ManiSkill's conventions: termination ignored, each episode runs ``env.max_episode_steps``
     steps; ``success_once`` = success at any step, ``success_at_end`` = at the last step.  Episode
-    ``i`` uses env seed ``seed + i``, and the policy's noise is seeded from ``seed`` too.
+    ``i`` uses env seed ``seed + i``, and its policy noise (each chain's ``x_0``, the action noise) comes
+    from a generator seeded with ``seed + i`` too: an episode's result does not depend on how episodes
+    are batched (``env.num_envs``), so CPU and GPU runs evaluate the same episodes.
     ``action_noise_std > 0`` adds Gaussian exploration noise to the executed actions (clipped to
     the action box [-1, 1]).  ``record=True`` also returns the rollouts as ``flowlib.data.Episode``
     (dense rewards, success; ``terminated`` = success as in ManiSkill's PickCube; the last step truncated).
     """
     policy.eval()
     device = next(policy.parameters()).device
-    gen = torch.Generator().manual_seed(seed)
     once, at_end, returns, frames, episodes = [], [], [], [], []
     t0, steps, policy_time = time.time(), 0, 0.0
     for first in range(0, num_episodes, env.num_envs):
-        obs = env.reset(seed=seed + first)
+        seeds = list(range(seed + first, seed + first + env.num_envs))
+        obs = env.reset(seed=seeds)  # a list: physx_cuda too seeds env i with seeds[i] (an int seeds only env 0)
+        gens = [torch.Generator().manual_seed(s) for s in seeds]  # the policy noise of each episode
         history = deque([obs] * policy.obs_horizon, maxlen=policy.obs_horizon)
         trace = {"obs": [obs.cpu()], "actions": [], "rewards": [], "success": []}
         ep_once = torch.zeros(env.num_envs, dtype=torch.bool)
@@ -210,9 +218,10 @@ def evaluate(policy: FlowPolicy, env, num_episodes: int, num_inference_steps: in
         while t < env.max_episode_steps:
             tp = time.time()
             window = torch.stack(list(history), dim=1).to(device)  # [N, To, O]
-            actions = policy.act(window, num_inference_steps, gen).to(env.device)  # [N, Ta, A]
+            x0 = _per_episode_randn(gens, (policy.pred_horizon, policy.action_dim))  # [N, H, A]
+            actions = policy.act(window, num_inference_steps, x0=x0).to(env.device)  # [N, Ta, A]
             if action_noise_std > 0:
-                noise = torch.randn(actions.shape, generator=gen).to(env.device)
+                noise = _per_episode_randn(gens, actions.shape[1:]).to(env.device)
                 actions = (actions + action_noise_std * noise).clamp(-1, 1)
             policy_time += time.time() - tp
             for a in actions.unbind(1):
@@ -230,7 +239,7 @@ def evaluate(policy: FlowPolicy, env, num_episodes: int, num_inference_steps: in
                 if t >= env.max_episode_steps:
                     break
         n = min(env.num_envs, num_episodes - first)
-        seeds = range(seed + first, seed + first + n)
+        seeds = seeds[:n]
         once += ep_once[:n].tolist()
         at_end += success.cpu()[:n].tolist()
         returns += ep_return[:n].tolist()
@@ -245,7 +254,12 @@ def evaluate(policy: FlowPolicy, env, num_episodes: int, num_inference_steps: in
     return out
 
 
-def _episodes_from_trace(trace: dict[str, list[torch.Tensor]], seeds: range) -> list[Episode]:
+def _per_episode_randn(generators: list[torch.Generator], shape) -> torch.Tensor:
+    """``[N, *shape]`` standard normals, row ``i`` drawn from ``generators[i]``."""
+    return torch.stack([torch.randn(*shape, generator=g) for g in generators])
+
+
+def _episodes_from_trace(trace: dict[str, list[torch.Tensor]], seeds: list[int]) -> list[Episode]:
     obs = torch.stack(trace["obs"], 1).numpy()           # [N, T+1, O]
     actions = torch.stack(trace["actions"], 1).numpy()   # [N, T, A]
     rewards = torch.stack(trace["rewards"], 1).numpy()   # [N, T]

@@ -246,12 +246,15 @@ class ReinFlowAgent(nn.Module):
 
     @torch.no_grad()
     def sample(self, obs_window: torch.Tensor, generator: torch.Generator | None = None, deterministic: bool = False,
-               return_steps: bool = False):
-        """Run the chain from ``x_0 ~ N(0, I)``.  Returns ``chain [B, K+1, H, A]`` and ``log_prob [B]``;
-        with ``return_steps`` also the stochastic-step mask ``[B, K]`` and the step log-probs ``[B, K]``."""
+               return_steps: bool = False, x0: torch.Tensor | None = None):
+        """Run the chain from ``x_0 ~ N(0, I)`` (drawn from ``generator`` unless ``x0 [B, H, A]`` is given).
+        Returns ``chain [B, K+1, H, A]`` and ``log_prob [B]``; with ``return_steps`` also the
+        stochastic-step mask ``[B, K]`` and the step log-probs ``[B, K]``."""
         o = self._norm_obs(obs_window)
         B, device = o.shape[0], o.device
-        x0 = torch.randn(B, self.pred_horizon, self.action_dim, generator=generator).to(device)
+        if x0 is None:
+            x0 = torch.randn(B, self.pred_horizon, self.action_dim, generator=generator)
+        x0 = x0.to(device)
         grid, d = self._grid(B, device)
         stochastic = torch.zeros(B, self.K, dtype=torch.bool) if deterministic else self.stochastic_mask(B, generator)
         chain, step_lp = sample_chain(lambda x, t: self.actor.base(x, t, d, o), x0, self.K, self.noise_method,
@@ -298,12 +301,13 @@ class ReinFlowAgent(nn.Module):
         return self.action_normalizer.unnormalize(x).clamp(-1.0, 1.0)
 
     @torch.no_grad()
-    def act(self, obs_window: torch.Tensor, num_steps: int | None = None, generator: torch.Generator | None = None):
+    def act(self, obs_window: torch.Tensor, num_steps: int | None = None, generator: torch.Generator | None = None,
+            x0: torch.Tensor | None = None):
         """Deterministic evaluation (``num_steps`` is ignored: the agent's ``K``), ``[B, Ta, A]``.
 
         Same signature as ``FlowPolicy.act`` so ``flowlib.bc.evaluate`` runs either policy.
         """
-        chain, _ = self.sample(obs_window, generator, deterministic=True)
+        chain, _ = self.sample(obs_window, generator, deterministic=True, x0=x0)
         return self.actions(chain)
 
 

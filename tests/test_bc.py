@@ -152,3 +152,16 @@ def test_noisy_rollouts_are_recorded_as_episodes(tmp_path):
     assert ep.truncated.tolist() == [False] * 9 + [True] and (ep.terminated == ep.success).all()
     assert np.abs(ep_noisy.actions).max() <= 1 and not np.allclose(ep.actions, ep_noisy.actions)
     assert np.allclose(ep.obs[0], ep_noisy.obs[0])  # same env seeds
+
+
+def test_an_episode_does_not_depend_on_how_episodes_are_batched(tmp_path):
+    """Episode i's env seed and policy noise both come from seed + i, so 1 env and 2 envs run the same episodes."""
+    policy, _ = bc.train(tiny_cfg(train_steps=2), ChunkDataset(random_episodes(), 2, 16), tmp_path)
+    runs = {}
+    for num_envs in (1, 2):
+        with make_env("PickCube-v1", num_envs, max_episode_steps=10) as env:
+            runs[num_envs] = bc.evaluate(policy, env, 3, 2, seed=5, action_noise_std=0.3, record=True)["rollouts"]
+    for one, two in zip(runs[1], runs[2], strict=True):
+        assert one.seed == two.seed
+        np.testing.assert_allclose(one.actions, two.actions, atol=1e-5)
+        np.testing.assert_allclose(one.obs, two.obs, atol=1e-4)

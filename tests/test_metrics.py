@@ -1,10 +1,10 @@
-"""Sliced Wasserstein distance against closed forms."""
+"""Sliced Wasserstein distance and success-rate standard errors against closed forms."""
 import math
 
 import pytest
 import torch
 
-from flowlib.metrics import sliced_wasserstein
+from flowlib.metrics import sliced_wasserstein, success_rates
 from flowlib.toy2d import TARGETS, sample_target
 
 
@@ -41,3 +41,21 @@ def test_targets_are_seeded_and_unit_scale(name):
     assert 0.3 < a.std(0).min() and a.abs().max() < 4
     with pytest.raises(ValueError, match="unknown 2D target"):
         sample_target("spiral", 10)
+
+
+def test_success_rates_pair_the_episodes():
+    """x = [1, 1, 0, 0] against r = [1, 0, 0, 0]: p = 0.5, SE sqrt(.25 / 4) = 0.25; d = [0, 1, 0, 0], mean 0.25,
+    std (ddof 1) 0.5, SE 0.25.  A policy that solves the same episodes as the reference has a paired SE of 0."""
+    rows = success_rates({"ref": [1, 0, 0, 0], "new": [1, 1, 0, 0], "same": [True, False, False, False]})
+    ref, new, same = rows
+    assert ref["diff"] == 0 and ref["diff_se"] == 0 and ref["success"] == 0.25
+    assert new["success"] == 0.5 and new["se"] == pytest.approx(0.25)
+    assert new["diff"] == pytest.approx(0.25) and new["diff_se"] == pytest.approx(0.25)
+    assert same["diff_se"] == 0 and same["se"] > 0
+
+
+def test_success_rates_need_the_same_episodes():
+    with pytest.raises(ValueError, match="same >= 2 episodes"):
+        success_rates({"a": [1, 0, 1], "b": [1, 0]})
+    with pytest.raises(ValueError, match="at least one policy"):
+        success_rates({})

@@ -1,0 +1,118 @@
+"""Evaluate checkpoints of any stage on the same held-out episodes, with standard errors.
+
+    python -m flowlib.evaluate outputs/01_shortcut_bc/cpu100/best_model.pt \\
+        outputs/03_reinflow/cpu_dense_150k_s{0,1,2}/last.pt --episodes 200 --num-envs 8 --run-name reinflow_150k
+
+Each checkpoint (stage 1 or 2 ``best_model.pt``, stage 3 ``last.pt`` / ``best_model.pt``) runs its
+deterministic policy on episodes ``seed .. seed + episodes - 1``.  Episode ``i``'s env seed and policy
+noise both come from ``seed + i`` (``flowlib.bc.evaluate``), so every checkpoint meets the same
+episodes whatever ``--num-envs`` is, and each one's gain over the first is a paired difference
+(``flowlib.metrics.success_rates``).  Writes ``results.csv`` (one row per checkpoint),
+``per_episode.csv`` and ``summary.json`` under ``outputs/evaluate/<run_name>/``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from . import bc, reinflow
+from .envs import make_env
+from .metrics import success_rates
+from .runs import run_dir, save_json, save_text
+
+
+def load_checkpoint_policy(path: str | Path):
+    """The policy in a stage-1/2 flow-policy or stage-3 ReinFlow checkpoint, in eval mode, and its metadata."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} not found: pass the best_model.pt / last.pt of a finished run")
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    fmt = ckpt.get("format") if isinstance(ckpt, dict) else None
+    if fmt == reinflow.CHECKPOINT_FORMAT:
+        agent = reinflow.load_agent(path)
+        return agent, agent.meta
+    policy = bc.load_policy(path)  # raises a clear error for anything that is not a flow policy
+    return policy, policy.meta
+
+
+def label(path: str | Path) -> str:
+    """``<run>/<file>`` (e.g. ``cpu_dense_150k_s0/last.pt``): short, and unique across runs."""
+    path = Path(path)
+    return f"{path.parent.name}/{path.name}"
+
+
+def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, seed: int, inference_steps: int,
+                         backend: str = "auto", max_episode_steps: int | None = None) -> dict[str, dict]:
+    """``{label: bc.evaluate result}`` for each checkpoint, all on the same episodes and one env."""
+    loaded = {label(p): load_checkpoint_policy(p) for p in paths}
+    if len(loaded) != len(paths):
+        raise ValueError("two checkpoints share a <run>/<file> label; evaluate them in separate calls")
+    env_ids = {meta["env_id"] for _, meta in loaded.values()}
+    modes = {meta["control_mode"] for _, meta in loaded.values()}
+    if len(env_ids) != 1 or len(modes) != 1:
+        raise ValueError(f"the checkpoints were trained on different envs or control modes ({env_ids}, {modes}); "
+                         "compare only checkpoints of one task")
+    results = {}
+    with make_env(env_ids.pop(), num_envs, control_mode=modes.pop(), backend=backend,
+                  max_episode_steps=max_episode_steps) as env:
+        for name, (policy, meta) in tqdm(loaded.items(), desc="checkpoints"):
+            bc.check_compatible(meta, env.spec)
+            results[name] = bc.evaluate(policy, env, episodes, inference_steps, seed=seed)
+    return results
+
+
+def write_report(run_path: Path, results: dict[str, dict], seed: int) -> list[dict]:
+    rows = success_rates({name: r["per_episode_success_once"] for name, r in results.items()})
+    for row in rows:
+        row["success_at_end"] = results[row["policy"]]["success_at_end"]
+        row["return"] = results[row["policy"]]["return"]
+    with open(run_path / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    names = list(results)
+    lines = [",".join(["env_seed", *names])]
+    for i, outcomes in enumerate(zip(*(results[n]["per_episode_success_once"] for n in names))):
+        lines.append(",".join([str(seed + i), *(str(int(o)) for o in outcomes)]))
+    save_text(run_path / "per_episode.csv", "\n".join(lines) + "\n")
+    save_json(run_path / "summary.json", {"seed": seed, "rows": rows})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flowlib.evaluate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoints", nargs="+", help="the first one is the reference for the paired differences")
+    ap.add_argument("--episodes", type=int, default=100)
+    ap.add_argument("--num-envs", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=20_000, help="first env seed (20000: the held-out eval_seed)")
+    ap.add_argument("--inference-steps", type=int, default=4, help="ODE steps of stage-1/2 policies (stage 3 uses its K)")
+    ap.add_argument("--max-episode-steps", type=int, default=None, help="default: the task's evaluation length")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--run-name", default="default", help="folder under outputs/evaluate/")
+    args = ap.parse_args(argv)
+    if args.episodes < 2 or args.num_envs < 1:
+        ap.error("--episodes must be >= 2 and --num-envs >= 1")
+    torch.set_num_threads(1)  # leave the cores to the env workers
+    try:
+        results = evaluate_checkpoints(args.checkpoints, args.episodes, args.num_envs, args.seed,
+                                       args.inference_steps, args.backend, args.max_episode_steps)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    run_path = run_dir("evaluate", args.run_name)
+    rows = write_report(run_path, results, args.seed)
+    print(f"{'policy':<40} {'success':>14} {'vs first (paired)':>20}")
+    for r in rows:
+        print(f"{r['policy']:<40} {r['success']:>7.3f} ± {r['se']:.3f} {r['diff']:>+11.3f} ± {r['diff_se']:.3f}")
+    print(f"-> {run_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""python -m flowlib.evaluate: checkpoints of any stage on the same held-out episodes."""
+import csv
+
+import torch
+from test_bc import random_episodes, tiny_cfg
+
+from flowlib import bc, evaluate
+from flowlib.data import ChunkDataset
+
+
+def test_two_runs_of_one_policy_score_the_same_episodes(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "outputs"))
+    bc.train(tiny_cfg(train_steps=2), ChunkDataset(random_episodes(), 2, 16), tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "best_model.pt").write_bytes((tmp_path / "a" / "best_model.pt").read_bytes())
+    rc = evaluate.main([str(tmp_path / "a" / "best_model.pt"), str(tmp_path / "b" / "best_model.pt"),
+                        "--episodes", "3", "--num-envs", "2", "--max-episode-steps", "10", "--run-name", "t"])
+    assert rc == 0
+    out = tmp_path / "outputs" / "evaluate" / "t"
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert [r["policy"] for r in rows] == ["a/best_model.pt", "b/best_model.pt"]
+    assert rows[0]["success"] == rows[1]["success"] and float(rows[1]["diff"]) == 0
+    assert (out / "per_episode.csv").read_text().splitlines()[1].startswith("20000,")
+    assert "a/best_model.pt" in capsys.readouterr().out
+
+
+def test_missing_and_foreign_checkpoints_are_named(tmp_path, capsys):
+    assert evaluate.main([str(tmp_path / "nope.pt")]) == 2
+    assert "nope.pt not found" in capsys.readouterr().err
+    torch.save({"weights": 1}, tmp_path / "other.pt")
+    assert evaluate.main([str(tmp_path / "other.pt")]) == 2
+    assert "not a flowlib flow-policy checkpoint" in capsys.readouterr().err
