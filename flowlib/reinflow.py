@@ -418,7 +418,8 @@ class ReinFlowConfig:
     # evaluation and bookkeeping
     eval_every: int = 0                 # iterations; 0 = only before and after
     num_eval_episodes: int = 4
-    eval_seed: int = 20_000
+    val_seed: int = 10_000              # env seeds of the periodic evaluations, which pick best_model.pt
+    eval_seed: int = 20_000             # env seeds of the before / after report (never used to pick a model)
     train_seed: int = 2_000_000         # env seeds of training episodes start here
     ckpt_every: int = 1                 # iterations
     bench_num_envs: list[int] = dataclasses.field(default_factory=lambda: [1, 2])  # throughput table
@@ -456,6 +457,9 @@ class ReinFlowConfig:
              f"advantage 'grpo' needs num_envs ({self.num_envs}) to be a multiple of group_size ({self.group_size})"),
             (self.dual_clip == 0 or self.dual_clip > 1, "dual_clip must be 0 (off) or > 1"),
             (self.huber_delta >= 0 and self.value_clip >= 0, "huber_delta and value_clip must be >= 0"),
+            (abs(self.val_seed - self.eval_seed) >= self.num_eval_episodes,
+             f"val_seed ({self.val_seed}) and eval_seed ({self.eval_seed}) episodes overlap: the report would be "
+             f"scored on episodes that picked best_model.pt; keep them >= num_eval_episodes apart"),
         ])
 
 
@@ -656,8 +660,8 @@ def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracke
 
     Each iteration: set ``max_noise_std`` from the schedule, collect ``rollout_steps`` decisions
     per env, GAE, then PPO (value net only while ``env_steps < critic_warmup_steps``).  Every
-    ``eval_every`` iterations the deterministic chain is evaluated on ``eval_seed`` episodes (the
-    training episodes restart afterwards).  ``last.pt`` (atomic) every ``ckpt_every`` iterations;
+    ``eval_every`` iterations the deterministic chain is evaluated on ``val_seed`` episodes, which pick
+    ``best_model.pt`` (the training episodes restart afterwards); ``eval_seed`` stays for the report.  ``last.pt`` (atomic) every ``ckpt_every`` iterations;
     with ``resume`` a run continues from it.  Returns ``{"best": ..., "iterations": ...}``.
     """
     run_path = Path(run_path)
@@ -727,7 +731,7 @@ def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracke
                         "train/return": float(np.mean([e["return"] for e in episodes])),
                         "train/episode_length": float(np.mean([e["length"] for e in episodes]))})
         if cfg.eval_every and (iteration + 1) % cfg.eval_every == 0 and iteration + 1 < num_iters:
-            result = bc.evaluate(agent, env, cfg.num_eval_episodes, cfg.num_inference_steps, seed=cfg.eval_seed)
+            result = bc.evaluate(agent, env, cfg.num_eval_episodes, cfg.num_inference_steps, seed=cfg.val_seed)
             runner.restart()
             row.update({"eval/success_once": result["success_once"], "eval/success_at_end": result["success_at_end"],
                         "eval/return": result["return"]})

@@ -125,6 +125,7 @@ value_hidden_dims = [256, 256]
 warm_start_value = True
 eval_every = 0
 num_eval_episodes = 4
+val_seed = 10000
 eval_seed = 20000
 train_seed = 2000000
 ckpt_every = 1

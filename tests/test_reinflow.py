@@ -165,6 +165,8 @@ def test_config_rejects_bad_values():
         reinflow.ReinFlowConfig(noise_schedule="cosine")
     with pytest.raises(ValueError, match="min_noise_std"):
         reinflow.ReinFlowConfig(min_noise_std=0.5, max_noise_std=0.3)
+    with pytest.raises(ValueError, match="val_seed .* overlap"):
+        reinflow.ReinFlowConfig(val_seed=20_000 - 10, num_eval_episodes=48)
 
 
 def test_chain_of_wrong_shape_is_rejected():
@@ -181,7 +183,10 @@ PIRL = {"noise_method": "flow_sde", "hybrid": True, "advantage": "grpo", "ratio_
 
 
 @pytest.mark.parametrize("options", [{}, PIRL], ids=["reinflow", "flow_sde_hybrid_grpo"])
-def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, options):
+def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, options):
+    eval_seeds = []  # periodic evaluations must use val_seed: eval_seed is kept for the report
+    evaluate = bc.evaluate
+    monkeypatch.setattr(bc, "evaluate", lambda *a, seed, **kw: eval_seeds.append(seed) or evaluate(*a, seed=seed, **kw))
     policy, dataset = tiny_policy()
     path = tmp_path / "stage1.pt"
     bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
@@ -201,6 +206,7 @@ def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, options):
     assert {"policy_loss", "value_loss", "approx_kl", "clip_frac", "explained_variance", "noise_std",
             "rollout_time", "update_time", "env_steps_per_s"} <= set(rows[-1])
     assert "eval/success_once" in rows[0] and rows[-1]["episodes"] >= 1  # 20-step episodes end inside 48 steps
+    assert eval_seeds == [cfg.val_seed]  # after iteration 1 (not after the last one)
     assert any(not torch.equal(a, b) for a, b in zip(before, agent.policy_parameters()))
     ckpt = reinflow.read_agent_checkpoint(tmp_path / "run" / "last.pt")
     assert ckpt["iteration"] == 2 and ckpt["env_steps"] == 96
