@@ -13,10 +13,10 @@ episodes whatever ``--num-envs`` is, and each one's gain over the first is a pai
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from pathlib import Path
 
+import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
@@ -71,15 +71,10 @@ def write_report(run_path: Path, results: dict[str, dict], seed: int) -> list[di
     for row in rows:
         row["success_at_end"] = results[row["policy"]]["success_at_end"]
         row["return"] = results[row["policy"]]["return"]
-    with open(run_path / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    names = list(results)
-    lines = [",".join(["env_seed", *names])]
-    for i, outcomes in enumerate(zip(*(results[n]["per_episode_success_once"] for n in names))):
-        lines.append(",".join([str(seed + i), *(str(int(o)) for o in outcomes)]))
-    save_text(run_path / "per_episode.csv", "\n".join(lines) + "\n")
+    per_episode = pd.DataFrame({name: r["per_episode_success_once"] for name, r in results.items()}).astype(int)
+    per_episode.insert(0, "env_seed", seed + per_episode.index)
+    save_text(run_path / "results.csv", pd.DataFrame(rows).to_csv(index=False))
+    save_text(run_path / "per_episode.csv", per_episode.to_csv(index=False))
     save_json(run_path / "summary.json", {"seed": seed, "rows": rows})
     return rows
 

@@ -661,8 +661,8 @@ def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracke
     Each iteration: set ``max_noise_std`` from the schedule, collect ``rollout_steps`` decisions
     per env, GAE, then PPO (value net only while ``env_steps < critic_warmup_steps``).  Every
     ``eval_every`` iterations the deterministic chain is evaluated on ``val_seed`` episodes, which pick
-    ``best_model.pt`` (the training episodes restart afterwards); ``eval_seed`` stays for the report.  ``last.pt`` (atomic) every ``ckpt_every`` iterations;
-    with ``resume`` a run continues from it.  Returns ``{"best": ..., "iterations": ...}``.
+    ``best_model.pt`` (the training episodes restart afterwards); ``eval_seed`` stays for the report.
+    ``last.pt`` (atomic) every ``ckpt_every`` iterations; with ``resume`` a run continues from it.  Returns ``{"best": ..., "iterations": ...}``.
     """
     run_path = Path(run_path)
     run_path.mkdir(parents=True, exist_ok=True)
