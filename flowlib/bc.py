@@ -35,6 +35,15 @@ AW_CHECKPOINT_FORMAT = "flowlib.aw_shortcut/1"  # stage 2: the same contents plu
 POLICY_FORMATS = (CHECKPOINT_FORMAT, AW_CHECKPOINT_FORMAT)
 
 
+def check_act_horizon(act_horizon: int, obs_horizon: int, pred_horizon: int) -> int:
+    """``act_horizon`` if a predicted chunk has that many actions to execute (``chunk[To-1 : To-1+Ta]``)."""
+    limit = pred_horizon - obs_horizon + 1
+    if not 1 <= act_horizon <= limit:
+        raise ValueError(f"act_horizon={act_horizon} is outside [1, {limit}] (pred_horizon - obs_horizon + 1): "
+                         "the predicted chunk has no actions beyond it")
+    return act_horizon
+
+
 @dataclass
 class ShortCutBCConfig:
     """Parameters of notebook 01 (ShortCut BC). Defaults are the small CPU run."""
@@ -73,9 +82,7 @@ class ShortCutBCConfig:
     wandb_mode: str = "disabled"
 
     def __post_init__(self):
-        if not 1 <= self.act_horizon <= self.pred_horizon - self.obs_horizon + 1:
-            raise ValueError(f"act_horizon={self.act_horizon} must be in [1, pred_horizon - obs_horizon + 1 = "
-                             f"{self.pred_horizon - self.obs_horizon + 1}]")
+        check_act_horizon(self.act_horizon, self.obs_horizon, self.pred_horizon)
         for k in [*self.eval_inference_steps, self.select_inference_steps]:
             if k > self.shortcut_max_steps or self.shortcut_max_steps % k:
                 raise ValueError(f"inference steps {k} must divide shortcut_max_steps={self.shortcut_max_steps}")

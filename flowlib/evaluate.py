@@ -2,12 +2,14 @@
 
     python -m flowlib.evaluate outputs/01_shortcut_bc/cpu100/best_model.pt \\
         outputs/03_reinflow/cpu_dense_150k_s{0,1,2}/last.pt --episodes 200 --num-envs 8 --run-name reinflow_150k
+    python -m flowlib.evaluate outputs/01_shortcut_bc/cpu100/best_model.pt --act-horizon 8 4 2 --run-name horizons
 
 Each checkpoint (stage 1 or 2 ``best_model.pt``, stage 3 ``last.pt`` / ``best_model.pt``) runs its
 deterministic policy on episodes ``seed .. seed + episodes - 1``.  Episode ``i``'s env seed and policy
 noise both come from ``seed + i`` (``flowlib.bc.evaluate``), so every checkpoint meets the same
 episodes whatever ``--num-envs`` is, and each one's gain over the first is a paired difference
-(``flowlib.metrics.success_rates``).  Writes ``results.csv`` (one row per checkpoint),
+(``flowlib.metrics.success_rates``).  ``--act-horizon`` re-runs each checkpoint executing that many
+actions of every chunk (re-planning more or less often than it was trained to; rows ``<label>@ah<n>``).  Writes ``results.csv`` (one row per checkpoint),
 ``per_episode.csv`` and ``summary.json`` under ``outputs/evaluate/<run_name>/``.
 """
 from __future__ import annotations
@@ -40,18 +42,33 @@ def load_checkpoint_policy(path: str | Path):
     return policy, policy.meta
 
 
-def label(path: str | Path) -> str:
-    """``<run>/<file>`` (e.g. ``cpu_dense_150k_s0/last.pt``): short, and unique across runs."""
+def set_act_horizon(policy, act_horizon: int) -> None:
+    """Execute ``act_horizon`` actions of each predicted chunk (``chunk[To-1 : To-1+act_horizon]``)."""
+    policy.act_horizon = bc.check_act_horizon(act_horizon, policy.obs_horizon, policy.pred_horizon)
+
+
+def label(path: str | Path, act_horizon: int | None = None) -> str:
+    """``<run>/<file>`` (e.g. ``cpu_dense_150k_s0/last.pt``), short and unique across runs; ``@ah<n>`` with an
+    act-horizon override."""
     path = Path(path)
-    return f"{path.parent.name}/{path.name}"
+    return f"{path.parent.name}/{path.name}" + ("" if act_horizon is None else f"@ah{act_horizon}")
 
 
 def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, seed: int, inference_steps: int,
-                         backend: str = "auto", max_episode_steps: int | None = None) -> dict[str, dict]:
-    """``{label: bc.evaluate result}`` for each checkpoint, all on the same episodes and one env."""
-    loaded = {label(p): load_checkpoint_policy(p) for p in paths}
-    if len(loaded) != len(paths):
-        raise ValueError("two checkpoints share a <run>/<file> label; evaluate them in separate calls")
+                         backend: str = "auto", max_episode_steps: int | None = None,
+                         act_horizons: list[int] | None = None) -> dict[str, dict]:
+    """``{label: bc.evaluate result}`` for each checkpoint (at each of ``act_horizons``, when given),
+    all on the same episodes and one env."""
+    loaded = {}
+    for p in paths:
+        for ah in act_horizons or [None]:
+            policy, meta = load_checkpoint_policy(p)
+            if ah is not None:
+                set_act_horizon(policy, ah)
+            loaded[label(p, ah)] = policy, meta
+    if len(loaded) != len(paths) * len(act_horizons or [None]):
+        raise ValueError("two checkpoints share a <run>/<file> label (or an act horizon is repeated); "
+                         "evaluate them in separate calls")
     env_ids = {meta["env_id"] for _, meta in loaded.values()}
     modes = {meta["control_mode"] for _, meta in loaded.values()}
     if len(env_ids) != 1 or len(modes) != 1:
@@ -63,6 +80,7 @@ def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, 
         for name, (policy, meta) in tqdm(loaded.items(), desc="checkpoints"):
             bc.check_compatible(meta, env.spec)
             results[name] = bc.evaluate(policy, env, episodes, inference_steps, seed=seed)
+            results[name]["act_horizon"] = policy.act_horizon
     return results
 
 
@@ -71,6 +89,7 @@ def write_report(run_path: Path, results: dict[str, dict], seed: int) -> list[di
     for row in rows:
         row["success_at_end"] = results[row["policy"]]["success_at_end"]
         row["return"] = results[row["policy"]]["return"]
+        row["act_horizon"] = results[row["policy"]]["act_horizon"]
     per_episode = pd.DataFrame({name: r["per_episode_success_once"] for name, r in results.items()}).astype(int)
     per_episode.insert(0, "env_seed", seed + per_episode.index)
     save_text(run_path / "results.csv", pd.DataFrame(rows).to_csv(index=False))
@@ -87,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-envs", type=int, default=8)
     ap.add_argument("--seed", type=int, default=20_000, help="first env seed (20000: the held-out eval_seed)")
     ap.add_argument("--inference-steps", type=int, default=4, help="ODE steps of stage-1/2 policies (stage 3 uses its K)")
+    ap.add_argument("--act-horizon", type=int, nargs="+", default=None, metavar="N",
+                    help="actions executed per chunk (default: each checkpoint's own); several: one row per value")
     ap.add_argument("--max-episode-steps", type=int, default=None, help="default: the task's evaluation length")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--run-name", default="default", help="folder under outputs/evaluate/")
@@ -96,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # leave the cores to the env workers
     try:
         results = evaluate_checkpoints(args.checkpoints, args.episodes, args.num_envs, args.seed,
-                                       args.inference_steps, args.backend, args.max_episode_steps)
+                                       args.inference_steps, args.backend, args.max_episode_steps, args.act_horizon)
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -132,13 +132,17 @@ class ReinFlowAgent(nn.Module):
     ``velocity_features`` (V on the velocity net's bottleneck features averaged along the deterministic
     chain from ``x_0 = 0``, piRL's V_expert analogue; ``detach_critic_input`` keeps the value loss
     out of the velocity net).
+
+    ``act_horizon``: actions executed per decision (``Ta``); ``None`` keeps the policy's own.  Fewer
+    re-plan more often: more decisions per env step, fewer dims in each executed-action log-prob.
     """
 
     def __init__(self, policy, num_inference_steps: int = 8, min_noise_std: float = 0.01,
                  max_noise_std: float = 0.3, value_hidden_dims: tuple[int, ...] = (256, 256),
                  include_initial_noise: bool = False, noise_hidden: int = 128, log_prob_over: str = "chunk",
                  noise_method: str = "reinflow", noise_level: float = 0.5, hybrid: bool = False,
-                 log_prob_reduce: str = "sum", critic_input: str = "obs", detach_critic_input: bool = True):
+                 log_prob_reduce: str = "sum", critic_input: str = "obs", detach_critic_input: bool = True,
+                 act_horizon: int | None = None):
         super().__init__()
         check_method(noise_method)
         for name, value, allowed in (("log_prob_over", log_prob_over, ("chunk", "executed")),
@@ -152,7 +156,8 @@ class ReinFlowAgent(nn.Module):
             flow.net.load_state_dict(flow.ema.module.state_dict())
         self.meta, self.K = meta, num_inference_steps
         self.obs_normalizer, self.action_normalizer = policy.obs_normalizer, policy.action_normalizer
-        self.obs_horizon, self.pred_horizon, self.act_horizon = meta["obs_horizon"], meta["pred_horizon"], meta["act_horizon"]
+        self.obs_horizon, self.pred_horizon = meta["obs_horizon"], meta["pred_horizon"]
+        self.act_horizon = bc.check_act_horizon(act_horizon or meta["act_horizon"], self.obs_horizon, self.pred_horizon)
         self.action_dim, self.obs_dim = meta["action_dim"], meta["obs_dim"]
         obs_in = self.obs_horizon * self.obs_dim
         self.d = flow.jump(1.0 / num_inference_steps)  # rejects K beyond what the ShortCut net was trained for
@@ -369,6 +374,7 @@ class ReinFlowConfig:
     seed: int = 0
     init_checkpoint: str = ""           # stage-1/2 best_model.pt, relative to outputs/; "" = 01_shortcut_bc/default
     env_id: str = "PickCube-v1"
+    act_horizon: int = 0                # actions executed per chunk decision; 0 = the init checkpoint's own
     num_envs: int = 2
     max_episode_steps: int = 100
     backend: str = "auto"
@@ -433,6 +439,7 @@ class ReinFlowConfig:
         require([
             (self.reward in ("sparse", "dense"), f"reward must be 'sparse' or 'dense', got {self.reward!r}"),
             (self.reward_scale > 0, f"reward_scale must be > 0, got {self.reward_scale}"),
+            (self.act_horizon >= 0, f"act_horizon must be >= 0 (0: the checkpoint's own), got {self.act_horizon}"),
             (self.log_prob_over in ("chunk", "executed"), f"log_prob_over must be 'chunk' or 'executed', got {self.log_prob_over!r}"),
             (self.noise_schedule in ("constant", "linear", "exp"),
              f"noise_schedule must be 'constant', 'linear' or 'exp', got {self.noise_schedule!r}"),
@@ -599,7 +606,7 @@ def _agent(policy, cfg: ReinFlowConfig) -> ReinFlowAgent:
                          tuple(cfg.value_hidden_dims), cfg.include_initial_noise, log_prob_over=cfg.log_prob_over,
                          noise_method=cfg.noise_method, noise_level=cfg.noise_level, hybrid=cfg.hybrid,
                          log_prob_reduce=cfg.log_prob_reduce, critic_input=cfg.critic_input,
-                         detach_critic_input=cfg.detach_critic_input)
+                         detach_critic_input=cfg.detach_critic_input, act_horizon=cfg.act_horizon or None)
 
 
 def build_agent(cfg: ReinFlowConfig, path: Path, spec=None) -> tuple[ReinFlowAgent, str]:

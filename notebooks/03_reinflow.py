@@ -45,7 +45,8 @@
 #   A_c = \delta_c + \gamma^{\tau}\lambda\,(1-\text{end}_c)\,A_{c+1}$$
 # (GAE, Schulman et al. 2016, Eq. 16, with the per-decision discount $\gamma^\tau$). A termination
 # (success, with the sparse reward) stops the bootstrap; a time-limit truncation bootstraps from
-# $V$ of the last observation.
+# $V$ of the last observation. $T_a$ is the checkpoint's own unless `act_horizon` sets it: fewer actions
+# per decision re-plan more often, with more decisions per env step and fewer dims in each log-prob.
 #
 # **Critic warm-up.** The value net starts from scratch (or from the stage-2 $V$): for the first
 # `critic_warmup_steps` env steps only it learns, so the first policy updates see sane advantages.
@@ -80,6 +81,7 @@ from flowlib.tracking import start_run
 seed = 0
 init_checkpoint = ""
 env_id = "PickCube-v1"
+act_horizon = 0  # actions executed per chunk decision; 0 = the checkpoint's own
 num_envs = 2
 max_episode_steps = 100
 backend = "auto"

@@ -30,3 +30,20 @@ def test_missing_and_foreign_checkpoints_are_named(tmp_path, capsys):
     torch.save({"weights": 1}, tmp_path / "other.pt")
     assert evaluate.main([str(tmp_path / "other.pt")]) == 2
     assert "not a flowlib flow-policy checkpoint" in capsys.readouterr().err
+
+
+def test_act_horizon_override_re_plans_and_rejects_what_the_chunk_lacks(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "outputs"))
+    bc.train(tiny_cfg(train_steps=2), ChunkDataset(random_episodes(), 2, 16), tmp_path / "a")
+    ckpt = str(tmp_path / "a" / "best_model.pt")
+    policy, meta = evaluate.load_checkpoint_policy(ckpt)
+    evaluate.set_act_horizon(policy, 3)
+    window = torch.zeros(2, meta["obs_horizon"], meta["obs_dim"])
+    assert policy.act(window, 2).shape == (2, 3, meta["action_dim"])  # executes 3 actions per chunk
+    rc = evaluate.main([ckpt, "--act-horizon", "8", "3", "--episodes", "2", "--num-envs", "2",
+                        "--max-episode-steps", "10", "--run-name", "ah"])
+    assert rc == 0
+    rows = list(csv.DictReader(open(tmp_path / "outputs" / "evaluate" / "ah" / "results.csv")))
+    assert [(r["policy"], r["act_horizon"]) for r in rows] == [("a/best_model.pt@ah8", "8"), ("a/best_model.pt@ah3", "3")]
+    assert evaluate.main([ckpt, "--act-horizon", "16"]) == 2  # pred 16 - obs 2 + 1 = 15 actions at most
+    assert "act_horizon=16 is outside [1, 15]" in capsys.readouterr().err

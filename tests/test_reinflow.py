@@ -31,21 +31,25 @@ def tiny_policy(seed=0):
                            dataset.action_normalizer), dataset
 
 
-def tiny_agent(K=4, include_initial_noise=False, log_prob_over="chunk"):
+def tiny_agent(K=4, include_initial_noise=False, log_prob_over="chunk", act_horizon=None):
     policy, dataset = tiny_policy()
     agent = reinflow.ReinFlowAgent(policy, K, min_noise_std=0.05, max_noise_std=0.3, value_hidden_dims=(16,),
                                    include_initial_noise=include_initial_noise, noise_hidden=16,
-                                   log_prob_over=log_prob_over)
+                                   log_prob_over=log_prob_over, act_horizon=act_horizon)
     obs = torch.stack([dataset[i][0] for i in range(5)])  # normalised windows; any raw values will do
     return agent, obs
 
 
-@pytest.mark.parametrize("include_initial_noise, log_prob_over", [(False, "chunk"), (True, "chunk"), (True, "executed")])
-def test_chain_log_prob_equals_a_closed_form_gaussian_computation(include_initial_noise, log_prob_over):
-    agent, obs = tiny_agent(K=4, include_initial_noise=include_initial_noise, log_prob_over=log_prob_over)
-    dims = slice(1, 9) if log_prob_over == "executed" else slice(None)  # To - 1 = 1, Ta = 8
+@pytest.mark.parametrize("include_initial_noise, log_prob_over, act_horizon",
+                         [(False, "chunk", None), (True, "chunk", None), (True, "executed", None), (False, "executed", 3)])
+def test_chain_log_prob_equals_a_closed_form_gaussian_computation(include_initial_noise, log_prob_over, act_horizon):
+    agent, obs = tiny_agent(K=4, include_initial_noise=include_initial_noise, log_prob_over=log_prob_over,
+                            act_horizon=act_horizon)
+    Ta = act_horizon or 8  # the policy's own is 8
+    dims = slice(1, 1 + Ta) if log_prob_over == "executed" else slice(None)  # To - 1 = 1
     chain, log_prob = agent.sample(obs, torch.Generator().manual_seed(1))
     assert chain.shape == (5, 5, 16, ACT_DIM) and log_prob.shape == (5,)
+    assert agent.actions(chain).shape == (5, Ta, ACT_DIM)
     # independent computation: step by step with torch.distributions, on linspace(0, 1, K + 1)
     o = agent.obs_normalizer.normalize(obs)
     expected = torch.zeros(5, dtype=torch.float64)
@@ -167,6 +171,8 @@ def test_config_rejects_bad_values():
         reinflow.ReinFlowConfig(min_noise_std=0.5, max_noise_std=0.3)
     with pytest.raises(ValueError, match="val_seed .* overlap"):
         reinflow.ReinFlowConfig(val_seed=20_000 - 10, num_eval_episodes=48)
+    with pytest.raises(ValueError, match="act_horizon must be >= 0"):
+        reinflow.ReinFlowConfig(act_horizon=-1)
 
 
 def test_chain_of_wrong_shape_is_rejected():
@@ -175,10 +181,12 @@ def test_chain_of_wrong_shape_is_rejected():
         agent.log_prob(obs, torch.zeros(5, 9, 16, ACT_DIM))
     with pytest.raises(ValueError, match="max_steps"):
         reinflow.ReinFlowAgent(tiny_policy()[0], num_inference_steps=16)  # ShortCut trained for 8
+    with pytest.raises(ValueError, match=r"act_horizon=16 is outside \[1, 15\]"):
+        reinflow.ReinFlowAgent(tiny_policy()[0], num_inference_steps=4, act_horizon=16)  # H 16 - To 2 + 1
 
 
 PIRL = {"noise_method": "flow_sde", "hybrid": True, "advantage": "grpo", "ratio_mode": "per_step",
-        "critic_input": "velocity_features", "dual_clip": 3.0, "huber_delta": 1.0,
+        "critic_input": "velocity_features", "dual_clip": 3.0, "huber_delta": 1.0, "act_horizon": 4,
         "reward": "dense"}  # a random tiny policy never succeeds: with sparse rewards every GRPO advantage is 0
 
 
@@ -190,9 +198,11 @@ def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, 
     policy, dataset = tiny_policy()
     path = tmp_path / "stage1.pt"
     bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
-    # GRPO runs one 20-step episode per env per iteration: ceil(20 / 8) = 3 decisions, like rollout_steps
+    # GRPO runs one 20-step episode per env per iteration: ceil(20 / 4) = 5 decisions of 4 actions
+    Ta = options.get("act_horizon", 8)
+    per_iter = (3 if Ta == 8 else 5) * 2 * Ta
     cfg = reinflow.ReinFlowConfig(init_checkpoint=str(path), num_inference_steps=4, rollout_steps=3, update_epochs=2,
-                                  minibatch_size=4, total_env_steps=2 * 3 * 2 * 8, critic_warmup_steps=0,
+                                  minibatch_size=4, total_env_steps=2 * per_iter, critic_warmup_steps=0,
                                   max_episode_steps=20, eval_every=1, num_eval_episodes=2, value_hidden_dims=[16],
                                   **options)
     with make_env("PickCube-v1", 2, max_episode_steps=20) as env:
@@ -202,15 +212,16 @@ def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, 
         tracker = Tracker(tmp_path / "run")
         out = reinflow.train(cfg, agent, env, tmp_path / "run", tracker)
     rows = tracker.rows
-    assert out["iterations"] == 2 and len(rows) == 2 and out["env_steps"] == 2 * 3 * 2 * 8
+    assert out["iterations"] == 2 and len(rows) == 2 and out["env_steps"] == 2 * per_iter
     assert {"policy_loss", "value_loss", "approx_kl", "clip_frac", "explained_variance", "noise_std",
             "rollout_time", "update_time", "env_steps_per_s"} <= set(rows[-1])
-    assert "eval/success_once" in rows[0] and rows[-1]["episodes"] >= 1  # 20-step episodes end inside 48 steps
+    assert "eval/success_once" in rows[0] and rows[-1]["episodes"] >= 1  # 20-step episodes end within an iteration
     assert eval_seeds == [cfg.val_seed]  # after iteration 1 (not after the last one)
     assert any(not torch.equal(a, b) for a, b in zip(before, agent.policy_parameters()))
     ckpt = reinflow.read_agent_checkpoint(tmp_path / "run" / "last.pt")
-    assert ckpt["iteration"] == 2 and ckpt["env_steps"] == 96
+    assert ckpt["iteration"] == 2 and ckpt["env_steps"] == 2 * per_iter
     reloaded = reinflow.load_agent(tmp_path / "run" / "last.pt")
+    assert reloaded.act_horizon == agent.act_horizon == Ta  # the override travels with the checkpoint
     window = torch.randn(3, 2, OBS_DIM)
     assert torch.equal(reloaded.act(window, generator=torch.Generator().manual_seed(0)),
                        agent.act(window, generator=torch.Generator().manual_seed(0)))
