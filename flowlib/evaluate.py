@@ -59,16 +59,16 @@ def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, 
                          act_horizons: list[int] | None = None) -> dict[str, dict]:
     """``{label: bc.evaluate result}`` for each checkpoint (at each of ``act_horizons``, when given),
     all on the same episodes and one env."""
-    loaded = {}
-    for p in paths:
-        for ah in act_horizons or [None]:
-            policy, meta = load_checkpoint_policy(p)
+    loaded = {p: load_checkpoint_policy(p) for p in paths}
+    if len({label(p) for p in paths}) != len(paths):
+        raise ValueError("two checkpoints share a <run>/<file> label; evaluate them in separate calls")
+    horizons = act_horizons or [None]
+    if len(set(horizons)) != len(horizons):
+        raise ValueError(f"act horizons {horizons} repeat a value; give each once")
+    for policy, _ in loaded.values():  # fail before the env starts
+        for ah in horizons:
             if ah is not None:
-                set_act_horizon(policy, ah)
-            loaded[label(p, ah)] = policy, meta
-    if len(loaded) != len(paths) * len(act_horizons or [None]):
-        raise ValueError("two checkpoints share a <run>/<file> label (or an act horizon is repeated); "
-                         "evaluate them in separate calls")
+                bc.check_act_horizon(ah, policy.obs_horizon, policy.pred_horizon)
     env_ids = {meta["env_id"] for _, meta in loaded.values()}
     modes = {meta["control_mode"] for _, meta in loaded.values()}
     if len(env_ids) != 1 or len(modes) != 1:
@@ -77,10 +77,13 @@ def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, 
     results = {}
     with make_env(env_ids.pop(), num_envs, control_mode=modes.pop(), backend=backend,
                   max_episode_steps=max_episode_steps) as env:
-        for name, (policy, meta) in tqdm(loaded.items(), desc="checkpoints"):
+        for path, (policy, meta) in tqdm(loaded.items(), desc="checkpoints"):
             bc.check_compatible(meta, env.spec)
-            results[name] = bc.evaluate(policy, env, episodes, inference_steps, seed=seed)
-            results[name]["act_horizon"] = policy.act_horizon
+            for ah in horizons:
+                if ah is not None:
+                    set_act_horizon(policy, ah)
+                results[label(path, ah)] = {**bc.evaluate(policy, env, episodes, inference_steps, seed=seed),
+                                            "act_horizon": policy.act_horizon}
     return results
 
 

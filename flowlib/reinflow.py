@@ -133,7 +133,7 @@ class ReinFlowAgent(nn.Module):
     chain from ``x_0 = 0``, piRL's V_expert analogue; ``detach_critic_input`` keeps the value loss
     out of the velocity net).
 
-    ``act_horizon``: actions executed per decision (``Ta``); ``None`` keeps the policy's own.  Fewer
+    ``act_horizon``: actions executed per decision (``Ta``); 0 or ``None`` keeps the policy's own.  Fewer
     re-plan more often: more decisions per env step, fewer dims in each executed-action log-prob.
     """
 
@@ -142,7 +142,7 @@ class ReinFlowAgent(nn.Module):
                  include_initial_noise: bool = False, noise_hidden: int = 128, log_prob_over: str = "chunk",
                  noise_method: str = "reinflow", noise_level: float = 0.5, hybrid: bool = False,
                  log_prob_reduce: str = "sum", critic_input: str = "obs", detach_critic_input: bool = True,
-                 act_horizon: int | None = None):
+                 act_horizon: int | None = 0):
         super().__init__()
         check_method(noise_method)
         for name, value, allowed in (("log_prob_over", log_prob_over, ("chunk", "executed")),
@@ -606,7 +606,7 @@ def _agent(policy, cfg: ReinFlowConfig) -> ReinFlowAgent:
                          tuple(cfg.value_hidden_dims), cfg.include_initial_noise, log_prob_over=cfg.log_prob_over,
                          noise_method=cfg.noise_method, noise_level=cfg.noise_level, hybrid=cfg.hybrid,
                          log_prob_reduce=cfg.log_prob_reduce, critic_input=cfg.critic_input,
-                         detach_critic_input=cfg.detach_critic_input, act_horizon=cfg.act_horizon or None)
+                         detach_critic_input=cfg.detach_critic_input, act_horizon=cfg.act_horizon)
 
 
 def build_agent(cfg: ReinFlowConfig, path: Path, spec=None) -> tuple[ReinFlowAgent, str]:
