@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -106,6 +107,7 @@ class ManiSkillVecEnv:
             import mani_skill.envs  # noqa: F401
             from mani_skill.vector.wrappers.gymnasium import ManiSkillVectorEnv
 
+            enable_physx_gpu()
             env = gym.make(env_id, num_envs=num_envs, obs_mode=obs_mode, control_mode=control_mode,
                            reward_mode=reward_mode, sim_backend="physx_cuda",
                            render_mode="rgb_array" if render else None, max_episode_steps=self.max_episode_steps)
@@ -180,6 +182,23 @@ class ManiSkillVecEnv:
 
 def make_env(env_id: str = "PickCube-v1", num_envs: int = 1, **kwargs) -> ManiSkillVecEnv:
     return ManiSkillVecEnv(env_id, num_envs, **kwargs)
+
+
+def enable_physx_gpu() -> None:
+    """Load SAPIEN's PhysX GPU library, which SAPIEN downloads from GitHub on first use into
+    ``~/.sapien/physx/<version>/``.  On a machine that cannot reach GitHub that download fails deep inside
+    ``gym.make``; fail here instead, saying where the file goes and what runs without it."""
+    import sapien.physx
+
+    try:
+        sapien.physx.enable_gpu()
+    except Exception as err:  # requests' ConnectionError, a bad zip, or the library failing to load
+        where = Path.home() / ".sapien" / "physx" / sapien.physx.version()
+        url = (f"https://github.com/sapien-sim/physx-precompiled/releases/download/{sapien.physx.version()}"
+               "/linux-so.zip")
+        raise RuntimeError(f"physx_cuda needs SAPIEN's PhysX GPU library, which could not be loaded or downloaded "
+                           f"({type(err).__name__}: {err}). Unzip {url} into {where} (it holds libPhysXGpu_64.so), "
+                           "or run on CPU physics with backend='physx_cpu' (the policy still uses the GPU)") from err
 
 
 def _check_vulkan() -> None:

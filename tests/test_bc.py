@@ -117,6 +117,22 @@ def test_unknown_env_id_suggests_real_ones():
         check_env_id("PickCub-v1")
 
 
+def test_physx_gpu_library_out_of_reach_is_a_clear_error(monkeypatch):
+    """SAPIEN downloads its PhysX GPU library on first use; offline that must name the file and the fallback."""
+    import requests
+    import sapien.physx
+
+    from flowlib import envs
+
+    def offline():
+        raise requests.exceptions.ConnectionError("Could not resolve host: github.com")
+
+    monkeypatch.setattr(sapien.physx, "enable_gpu", offline)
+    with pytest.raises(RuntimeError, match=r"libPhysXGpu_64\.so.*backend='physx_cpu'") as info:
+        envs.enable_physx_gpu()
+    assert sapien.physx.version() in str(info.value) and "ConnectionError" in str(info.value)
+
+
 @pytest.mark.parametrize("env_id", ["PickCube-v1", "PushCube-v1", "StackCube-v1"])
 def test_real_maniskill_env_on_cpu_has_the_batched_interface(env_id):
     with make_env(env_id, 1, max_episode_steps=5) as env:
