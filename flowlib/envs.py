@@ -13,6 +13,7 @@ there is no auto-reset: call ``reset`` to start the next batch of episodes.
 from __future__ import annotations
 
 import functools
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,11 +195,11 @@ def enable_physx_gpu() -> None:
         sapien.physx.enable_gpu()
     except Exception as err:  # requests' ConnectionError, a bad zip, or the library failing to load
         where = Path.home() / ".sapien" / "physx" / sapien.physx.version()
-        url = (f"https://github.com/sapien-sim/physx-precompiled/releases/download/{sapien.physx.version()}"
-               "/linux-so.zip")
+        zip_name = "linux-aarch64-so.zip" if platform.machine() in ("aarch64", "arm64") else "linux-so.zip"
+        url = f"https://github.com/sapien-sim/physx-precompiled/releases/download/{sapien.physx.version()}/{zip_name}"
         raise RuntimeError(f"physx_cuda needs SAPIEN's PhysX GPU library, which could not be loaded or downloaded "
                            f"({type(err).__name__}: {err}). Unzip {url} into {where} (it holds libPhysXGpu_64.so), "
-                           "or run on CPU physics with backend='physx_cpu' (the policy still uses the GPU)") from err
+                           "or run the physics on CPU with backend='physx_cpu'") from err
 
 
 def _check_vulkan() -> None:
