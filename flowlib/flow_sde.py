@@ -130,16 +130,18 @@ def full_mask(batch: int, num_steps: int, eligible: int) -> torch.Tensor:
 @torch.no_grad()
 def sample_chain(velocity_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x0: torch.Tensor, num_steps: int,
                  method: str, noise_level: float = 0.0, stochastic: torch.Tensor | None = None,
-                 generator: torch.Generator | None = None, scored: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
+                 generator: torch.Generator | None = None,
+                 log_prob_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
                  noise_std_fn: Callable[[torch.Tensor], torch.Tensor] | None = None):
     """Run ``K`` steps on ``flows.time_grid(K)`` from ``x0 [B, ...]``.
 
     ``velocity_fn(x, t) -> velocity``; ``noise_std_fn(t) -> noise_std`` (learned-noise methods) is called only
     at steps that carry noise.  Steps where ``stochastic [B, K]`` is True draw from ``transition(...)``;
     the others take the ODE step ``x + v dt``.  ``stochastic=None`` is the ODE.
-    Returns ``chain [B, K+1, ...]`` and the per-step log-probs ``[B, K]`` (0 at ODE steps) of the
-    dims that ``scored`` selects (all by default).
+    Returns ``chain [B, K+1, ...]`` and the per-step log-probs ``[B, K]`` (0 at ODE steps):
+    ``log_prob_fn(x_next, mean, std, k) -> [B]``, by default ``gaussian_log_prob`` over every dim.
     """
+    log_prob_fn = log_prob_fn or (lambda x_next, mean, std, k: gaussian_log_prob(x_next, mean, std))
     B, K, dt = x0.shape[0], num_steps, 1.0 / num_steps
     grid = time_grid(K, x0.device)
     mask = torch.zeros(B, K, dtype=torch.bool) if stochastic is None else stochastic
@@ -157,7 +159,7 @@ def sample_chain(velocity_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tenso
             eps = torch.randn(x.shape, generator=generator).to(x.device)
             noisy = mean + std * eps
             std = torch.as_tensor(std, dtype=x.dtype, device=x.device).expand_as(x)
-            lp = gaussian_log_prob(scored(noisy), scored(mean), scored(std))
+            lp = log_prob_fn(noisy, mean, std, k)
             log_probs[:, k] = torch.where(mask[:, k], lp, 0.0)
             x = torch.where(mask[:, k].reshape(-1, *([1] * (x.dim() - 1))), noisy, ode)
         else:

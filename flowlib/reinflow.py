@@ -50,6 +50,18 @@ from .ppo import explained_variance, gae, ppo_update  # noqa: F401  (the PPO too
 from .runs import policy_checkpoint, save_torch
 
 
+# Which dims of each transition enter the chain's log-prob (the ratio of PPO):
+#   "chunk":         all H x A dims at every step: the exact likelihood of the chain (ReinFlow Eq. 5).
+#   "executed_last": all dims at steps k < K-1, only the Ta executed actions at the last step.  Also exact for
+#                    the policy gradient: the non-executed dims of x_K reach nothing, so their score has zero
+#                    mean given the rest, and dropping it only removes variance.
+#   "executed":      the executed actions at every step.  Biased: at an intermediate step the U-Net feeds the
+#                    non-executed dims of x_k into the next step's executed dims, so how theta moves them is
+#                    part of the gradient, and this drops it.  Kept because the README's early stage-3 runs
+#                    (params/03_reinflow/cpu*.yaml) used it.
+LOG_PROB_OVER = ("chunk", "executed_last", "executed")
+
+
 # --------------------------------------------------------------------------- noise
 
 
@@ -135,6 +147,11 @@ class ReinFlowAgent(nn.Module):
 
     ``act_horizon``: actions executed per decision (``Ta``); 0 or ``None`` keeps the policy's own.  Fewer
     re-plan more often: more decisions per env step, fewer dims in each executed-action log-prob.
+
+    ``obs_clip``: normalised observations are clipped to ``[-obs_clip, obs_clip]`` (0: off) before the flow,
+    noise and value nets see them.  The normaliser's statistics come from the demonstrations, where some dims
+    barely move (the cube's and the gripper's tilt: std 0.0003-0.004); an RL rollout that tips the cube puts
+    them at 100+ std, where V extrapolates to |V| ~ 10^4 and its targets wreck the critic and the advantages.
     """
 
     def __init__(self, policy, num_inference_steps: int = 8, min_noise_std: float = 0.01,
@@ -142,14 +159,17 @@ class ReinFlowAgent(nn.Module):
                  include_initial_noise: bool = False, noise_hidden: int = 128, log_prob_over: str = "chunk",
                  noise_method: str = "reinflow", noise_level: float = 0.5, hybrid: bool = False,
                  log_prob_reduce: str = "sum", critic_input: str = "obs", detach_critic_input: bool = True,
-                 act_horizon: int | None = 0):
+                 act_horizon: int | None = 0, obs_clip: float = 5.0):
         super().__init__()
         check_method(noise_method)
-        for name, value, allowed in (("log_prob_over", log_prob_over, ("chunk", "executed")),
+        for name, value, allowed in (("log_prob_over", log_prob_over, LOG_PROB_OVER),
                                      ("log_prob_reduce", log_prob_reduce, ("sum", "mean")),
                                      ("critic_input", critic_input, ("obs", "velocity_features"))):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        if not obs_clip >= 0:
+            raise ValueError(f"obs_clip must be >= 0 (0: no clipping), got {obs_clip}")
+        self.obs_clip = float(obs_clip)
         meta = policy.meta
         flow = policy.flow
         if flow.ema is not None:
@@ -174,16 +194,22 @@ class ReinFlowAgent(nn.Module):
         self.include_initial_noise = include_initial_noise or noise_method == "flow_noise"
         self.log_prob_over = log_prob_over
 
-    def _scored(self, x: torch.Tensor) -> torch.Tensor:
-        """The dims that enter the log-prob: the whole chunk ``[.., H, A]``, or only the ``Ta`` executed
-        actions (the others never reach the env; their likelihood ratio only adds variance)."""
-        if self.log_prob_over == "chunk":
-            return x
+    def _executed(self, x: torch.Tensor) -> torch.Tensor:  # [P, H, A] -> [P, Ta, A]
         start = self.obs_horizon - 1
         return x[:, start:start + self.act_horizon]
 
+    def _step_log_prob(self, x_next, mean, std, k) -> torch.Tensor:  # [P, H, A] x3, step k (int or [P]) -> [P]
+        """``log N(x_{k+1}; mean, std^2)`` over the dims ``log_prob_over`` picks (see ``LOG_PROB_OVER``)."""
+        executed = gaussian_log_prob(self._executed(x_next), self._executed(mean), self._executed(std))
+        if self.log_prob_over == "executed":
+            return executed
+        full = gaussian_log_prob(x_next, mean, std)
+        if self.log_prob_over == "chunk":
+            return full
+        return torch.where(torch.as_tensor(k, device=full.device) == self.K - 1, executed, full)  # executed_last
+
     def _initial_log_prob(self, x0):
-        x0 = self._scored(x0)
+        x0 = self._executed(x0) if self.log_prob_over == "executed" else x0
         return gaussian_log_prob(x0, torch.zeros_like(x0), torch.ones_like(x0))
 
     # parameter groups
@@ -202,7 +228,8 @@ class ReinFlowAgent(nn.Module):
     def _norm_obs(self, obs_window: torch.Tensor) -> torch.Tensor:  # raw [B, To, O] -> normalised
         if obs_window.shape[1:] != (self.obs_horizon, self.obs_dim):
             raise ValueError(f"obs window must be [B, {self.obs_horizon}, {self.obs_dim}], got {tuple(obs_window.shape)}")
-        return self.obs_normalizer.normalize(obs_window)
+        o = self.obs_normalizer.normalize(obs_window)
+        return o.clamp(-self.obs_clip, self.obs_clip) if self.obs_clip else o
 
     def _velocity_features(self, o: torch.Tensor) -> torch.Tensor:  # normalised [B, To, O] -> [B, C]
         B, dt = o.shape[0], 1.0 / self.K
@@ -263,7 +290,7 @@ class ReinFlowAgent(nn.Module):
         grid, d = self._grid(B, device)
         stochastic = torch.zeros(B, self.K, dtype=torch.bool) if deterministic else self.stochastic_mask(B, generator)
         chain, step_lp = sample_chain(lambda x, t: self.actor.base(x, t, d, o), x0, self.K, self.noise_method,
-                                      float(self.noise_level), stochastic, generator, scored=self._scored,
+                                      float(self.noise_level), stochastic, generator, log_prob_fn=self._step_log_prob,
                                       noise_std_fn=lambda t: self._noise_std(t, o))
         stochastic = stochastic.to(device)
         log_prob = torch.zeros(B, device=device) if deterministic else self.joint_log_prob(step_lp, stochastic, chain)
@@ -286,8 +313,8 @@ class ReinFlowAgent(nn.Module):
         noise_std = self._noise_std(t, o[b])
         mean, std = transition(self.noise_method, x, velocity, t, 1.0 / K, float(self.noise_level), noise_std)
         std = torch.as_tensor(std, dtype=x.dtype, device=x.device).expand_as(x)
-        lp = gaussian_log_prob(self._scored(x_next), self._scored(mean), self._scored(std))          # [P]
-        ent = (0.5 * (1 + LOG_2PI) + torch.log(self._scored(std))).flatten(1).mean(1)               # [P]
+        lp = self._step_log_prob(x_next, mean, std, k)                                              # [P]
+        ent = (0.5 * (1 + LOG_2PI) + torch.log(std)).flatten(1).mean(1)  # [P] (std is shared over H)
         step_lp = torch.zeros(B, K, device=chain.device, dtype=lp.dtype).index_put((b, k), lp)
         entropy = torch.zeros(B, device=chain.device).index_add(0, b, ent) / stochastic.sum(1).clamp(min=1)
         return step_lp, entropy
@@ -388,7 +415,7 @@ class ReinFlowConfig:
     noise_schedule: str = "linear"      # constant / linear / exp
     noise_decay_steps: int = 512        # env steps over which max_noise_std decays
     include_initial_noise: bool = False
-    log_prob_over: str = "chunk"        # "chunk": all H x A dims of each step; "executed": the Ta executed actions
+    log_prob_over: str = "chunk"        # "chunk" / "executed_last" (exact) or "executed" (biased): LOG_PROB_OVER
     # the noise method (flowlib.flow_sde; notebook 04)
     noise_method: str = "reinflow"      # reinflow / flow_noise (learned std) / flow_sde / flow_cps (noise_level a)
     noise_level: float = 0.5            # a of flow_sde / flow_cps; scaled by the noise schedule like max_noise_std
@@ -418,6 +445,7 @@ class ReinFlowConfig:
     max_grad_norm: float = 1.0
     target_kl: float = 0.0              # 0: no early stop
     norm_adv: bool = True
+    obs_clip: float = 5.0               # normalised obs clipped to +-obs_clip (0: off); demos lie within +-7.2 std
     critic_warmup_steps: int = 128      # env steps during which only the value net learns
     value_hidden_dims: list[int] = dataclasses.field(default_factory=lambda: [256, 256])
     warm_start_value: bool = True       # from a stage-2 checkpoint's V (same inputs), when there is one
@@ -439,8 +467,9 @@ class ReinFlowConfig:
         require([
             (self.reward in ("sparse", "dense"), f"reward must be 'sparse' or 'dense', got {self.reward!r}"),
             (self.reward_scale > 0, f"reward_scale must be > 0, got {self.reward_scale}"),
+            (self.obs_clip >= 0, f"obs_clip must be >= 0 (0: no clipping), got {self.obs_clip}"),
             (self.act_horizon >= 0, f"act_horizon must be >= 0 (0: the checkpoint's own), got {self.act_horizon}"),
-            (self.log_prob_over in ("chunk", "executed"), f"log_prob_over must be 'chunk' or 'executed', got {self.log_prob_over!r}"),
+            (self.log_prob_over in LOG_PROB_OVER, f"log_prob_over must be one of {LOG_PROB_OVER}, got {self.log_prob_over!r}"),
             (self.noise_schedule in ("constant", "linear", "exp"),
              f"noise_schedule must be 'constant', 'linear' or 'exp', got {self.noise_schedule!r}"),
             (0 < self.min_noise_std <= min(self.max_noise_std, self.final_noise_std),
@@ -606,7 +635,8 @@ def _agent(policy, cfg: ReinFlowConfig) -> ReinFlowAgent:
                          tuple(cfg.value_hidden_dims), cfg.include_initial_noise, log_prob_over=cfg.log_prob_over,
                          noise_method=cfg.noise_method, noise_level=cfg.noise_level, hybrid=cfg.hybrid,
                          log_prob_reduce=cfg.log_prob_reduce, critic_input=cfg.critic_input,
-                         detach_critic_input=cfg.detach_critic_input, act_horizon=cfg.act_horizon)
+                         detach_critic_input=cfg.detach_critic_input, act_horizon=cfg.act_horizon,
+                         obs_clip=cfg.obs_clip)
 
 
 def build_agent(cfg: ReinFlowConfig, path: Path, spec=None) -> tuple[ReinFlowAgent, str]:
@@ -648,7 +678,8 @@ def read_agent_checkpoint(path: str | Path) -> dict:
 def load_agent(path: str | Path) -> ReinFlowAgent:
     """A fine-tuned agent from a ReinFlow checkpoint (``last.pt`` / ``best_model.pt``), in eval mode."""
     ckpt = read_agent_checkpoint(path)
-    agent = _agent(bc.build_policy(ckpt["meta"]), ReinFlowConfig(**ckpt["config"]))
+    config = {"obs_clip": 0.0, **ckpt["config"]}  # checkpoints from before obs_clip ran unclipped
+    agent = _agent(bc.build_policy(ckpt["meta"]), ReinFlowConfig(**config))
     agent.load_state_dict(ckpt["agent"])
     return agent.eval()
 

@@ -27,9 +27,13 @@
 # so each transition is Gaussian and the chain has an **exact** log-likelihood (ReinFlow Eq. 5):
 # $$\log\pi_\theta(x_{0:K}\mid o) = \sum_{k=0}^{K-1}\log\mathcal N\big(x_{k+1};\, x_k + v_\theta(x_k,t_k\mid o)/K,\ \sigma_\theta(t_k,o)^2 I\big)
 #   \;\big[+\log\mathcal N(x_0; 0, I)\big].$$
-# The sum runs over all $H \times A$ dims of each step, or with `log_prob_over = "executed"` over the
-# $T_a$ executed actions only (the rest never reach the env, and their ratio only adds variance:
-# with the whole $16 \times 4$ chunk, one Adam step at lr $10^{-4}$ moved the chain's KL by 0.66 in our pilot).
+# The sum runs over all $H \times A$ dims of each step (`log_prob_over = "chunk"`). Only $T_a$ of the $H$
+# actions of $x_K$ are executed, and the others reach nothing, so their score has zero mean: dropping them
+# *at the last step* keeps the gradient exact and lowers its variance (`"executed_last"`). At an earlier step
+# the non-executed dims of $x_{k+1}$ feed the U-Net's next velocity of the executed ones, so keeping only
+# the executed dims at every step (`"executed"`, used by our first CPU runs) drops part of the gradient: it
+# is biased. With the whole $16 \times 4$ chunk, one Adam step at lr $10^{-4}$ moved the chain's KL by 0.66
+# in our pilot, so the actor's learning rate is small.
 # $\sigma_\theta$ is a small network (`ExploreNoiseNet`) squashed into $[\sigma_\min, \sigma_\max]$;
 # $\sigma_\max$ decays during training. The executed chunk is $x_K$; evaluation drops the noise.
 #
@@ -50,6 +54,13 @@
 #
 # **Critic warm-up.** The value net starts from scratch (or from the stage-2 $V$): for the first
 # `critic_warmup_steps` env steps only it learns, so the first policy updates see sane advantages.
+#
+# **Observation clipping.** The nets see observations normalised by the demonstrations' mean and std. Some
+# dims barely move in the demos (the tilt of the cube and of the gripper: std 0.0003-0.004), so a rollout
+# that tips the cube puts them at 100+ std. There the value net extrapolates to $|V| \sim 10^4$, and its
+# bootstrapped targets wreck the critic and, through the advantages, the policy (our first 1M-step CPU run
+# collapsed this way). `obs_clip` clips the normalised observation to $\pm 5$ for the flow, noise and value
+# nets (the demos lie within $\pm 7.2$).
 #
 # **Reward.** `reward = "sparse"` pays 1 on success, which ends the episode; `"dense"` is ManiSkill's
 # `normalized_dense` (reach, grasp, place, stay still; 1 at success) and episodes run to the time limit.
@@ -122,6 +133,7 @@ critic_lr = 0.0001
 max_grad_norm = 1.0
 target_kl = 0.0
 norm_adv = True
+obs_clip = 5.0
 critic_warmup_steps = 128
 value_hidden_dims = [256, 256]
 warm_start_value = True

@@ -41,12 +41,13 @@ def tiny_agent(K=4, include_initial_noise=False, log_prob_over="chunk", act_hori
 
 
 @pytest.mark.parametrize("include_initial_noise, log_prob_over, act_horizon",
-                         [(False, "chunk", None), (True, "chunk", None), (True, "executed", None), (False, "executed", 3)])
+                         [(False, "chunk", None), (True, "chunk", None), (True, "executed", None), (False, "executed", 3),
+                          (True, "executed_last", None), (False, "executed_last", 3)])
 def test_chain_log_prob_equals_a_closed_form_gaussian_computation(include_initial_noise, log_prob_over, act_horizon):
     agent, obs = tiny_agent(K=4, include_initial_noise=include_initial_noise, log_prob_over=log_prob_over,
                             act_horizon=act_horizon)
     Ta = act_horizon or 8  # the policy's own is 8
-    dims = slice(1, 1 + Ta) if log_prob_over == "executed" else slice(None)  # To - 1 = 1
+    executed, every = slice(1, 1 + Ta), slice(None)  # To - 1 = 1
     chain, log_prob = agent.sample(obs, torch.Generator().manual_seed(1))
     assert chain.shape == (5, 5, 16, ACT_DIM) and log_prob.shape == (5,)
     assert agent.actions(chain).shape == (5, Ta, ACT_DIM)
@@ -54,6 +55,7 @@ def test_chain_log_prob_equals_a_closed_form_gaussian_computation(include_initia
     o = agent.obs_normalizer.normalize(obs)
     expected = torch.zeros(5, dtype=torch.float64)
     if include_initial_noise:
+        dims = executed if log_prob_over == "executed" else every
         expected += torch.distributions.Normal(0.0, 1.0).log_prob(chain[:, 0, dims].double()).flatten(1).sum(1)
     with torch.no_grad():
         for k, t in enumerate(np.linspace(0, 1, 5)[:-1]):
@@ -61,6 +63,8 @@ def test_chain_log_prob_equals_a_closed_form_gaussian_computation(include_initia
             v = agent.actor.base(chain[:, k], tt, torch.full((5,), 0.25), o)
             std = agent.actor.noise_net(tt, o.flatten(1))[:, None, :].expand_as(v)
             mean = chain[:, k] + 0.25 * v
+            last = k == 3  # executed_last scores only the executed actions of x_K
+            dims = executed if log_prob_over == "executed" or (log_prob_over == "executed_last" and last) else every
             normal = torch.distributions.Normal(mean[:, dims].double(), std[:, dims].double())
             expected += normal.log_prob(chain[:, k + 1, dims].double()).flatten(1).sum(1)
     assert torch.allclose(log_prob.double(), expected, rtol=1e-4, atol=1e-2)
@@ -173,6 +177,38 @@ def test_config_rejects_bad_values():
         reinflow.ReinFlowConfig(val_seed=20_000 - 10, num_eval_episodes=48)
     with pytest.raises(ValueError, match="act_horizon must be >= 0"):
         reinflow.ReinFlowConfig(act_horizon=-1)
+
+
+def test_observations_far_outside_the_demonstrations_are_clipped_before_the_nets():
+    agent, obs = tiny_agent(K=4)
+    norm = agent.obs_normalizer
+    far, edge = obs.clone(), obs.clone()
+    far[:, :, 0] = norm.shift[0] + 1000 * norm.scale[0]   # a tipped cube: 1000 std from the demonstrations
+    edge[:, :, 0] = norm.shift[0] + 5 * norm.scale[0]     # the clip
+    x0 = torch.randn(5, 16, ACT_DIM, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(agent.value(far), agent.value(edge))
+        assert torch.allclose(agent.act(far, x0=x0), agent.act(edge, x0=x0))
+        agent.obs_clip = 0.0  # off: the nets see the 1000 std
+        assert not torch.allclose(agent.value(far), agent.value(edge))
+    with pytest.raises(ValueError, match="obs_clip must be >= 0"):
+        reinflow.ReinFlowConfig(obs_clip=-1.0)
+
+
+def test_a_checkpoint_from_before_obs_clip_loads_unclipped_as_it_ran(tmp_path):
+    policy, _ = tiny_policy()
+    cfg = reinflow.ReinFlowConfig(num_inference_steps=4, value_hidden_dims=[16])
+    agent = reinflow._agent(policy, cfg)
+    config = dataclasses.asdict(cfg)
+    del config["obs_clip"]
+    path = tmp_path / "old.pt"
+    torch.save({"format": reinflow.CHECKPOINT_FORMAT, "meta": agent.meta, "config": config,
+                "agent": agent.state_dict()}, path)
+    assert reinflow.load_agent(path).obs_clip == 0.0
+    config["obs_clip"] = 5.0
+    torch.save({"format": reinflow.CHECKPOINT_FORMAT, "meta": agent.meta, "config": config,
+                "agent": agent.state_dict()}, path)
+    assert reinflow.load_agent(path).obs_clip == 5.0
 
 
 def test_chain_of_wrong_shape_is_rejected():
