@@ -200,13 +200,18 @@ class ReinFlowAgent(nn.Module):
 
     def _step_log_prob(self, x_next, mean, std, k) -> torch.Tensor:  # [P, H, A] x3, step k (int or [P]) -> [P]
         """``log N(x_{k+1}; mean, std^2)`` over the dims ``log_prob_over`` picks (see ``LOG_PROB_OVER``)."""
-        executed = gaussian_log_prob(self._executed(x_next), self._executed(mean), self._executed(std))
+        def executed(rows=slice(None)):
+            return gaussian_log_prob(self._executed(x_next[rows]), self._executed(mean[rows]), self._executed(std[rows]))
+
         if self.log_prob_over == "executed":
-            return executed
-        full = gaussian_log_prob(x_next, mean, std)
-        if self.log_prob_over == "chunk":
-            return full
-        return torch.where(torch.as_tensor(k, device=full.device) == self.K - 1, executed, full)  # executed_last
+            return executed()
+        if self.log_prob_over == "executed_last" and isinstance(k, int):  # sampling: one step for the whole batch
+            return executed() if k == self.K - 1 else gaussian_log_prob(x_next, mean, std)
+        lp = gaussian_log_prob(x_next, mean, std)
+        if self.log_prob_over == "executed_last":  # re-scoring: (sample, step) pairs, some at the last step
+            last = k == self.K - 1
+            lp[last] = executed(last)
+        return lp
 
     def _initial_log_prob(self, x0):
         x0 = self._executed(x0) if self.log_prob_over == "executed" else x0
