@@ -104,11 +104,37 @@ def transition(method: str, x: torch.Tensor, velocity: torch.Tensor, t, dt: floa
     return s * data_hat + (1 - s) * math.cos(angle) * noise_hat, (1 - s) * math.sin(angle)
 
 
-def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """``sum log N(x; mean, std^2)`` over every non-batch dim: ``[B, ...] -> [B]``."""
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, corr: float = 0.0) -> torch.Tensor:
+    """``sum log N(x; mean, std^2)`` over every non-batch dim: ``[B, ...] -> [B]``.
+
+    With ``corr = rho`` in ``[0, 1)`` the noise is equicorrelated along dim 1 (a chunk's ``n`` time steps):
+    per remaining index, ``Cov = S C S`` with ``S = diag(std)`` and ``C = (1 - rho) I + rho 1 1^T``, so with
+    ``z = (x - mean) / std`` (Sherman-Morrison for ``C^-1``, the matrix determinant lemma for ``det C``)::
+
+        log p = -1/2 [ (|z|^2 - rho / (1 - rho + n rho) (sum_h z_h)^2) / (1 - rho)
+                       + (n - 1) log(1 - rho) + log(1 - rho + n rho) ] - sum_h log std_h - n/2 log(2 pi)
+    """
     std = torch.as_tensor(std, dtype=x.dtype, device=x.device).expand_as(x)
     z = (x - mean) / std
-    return (-0.5 * z.pow(2) - torch.log(std) - 0.5 * LOG_2PI).flatten(1).sum(1)
+    independent = (-0.5 * z.pow(2) - torch.log(std) - 0.5 * LOG_2PI).flatten(1).sum(1)
+    if not corr:
+        return independent
+    if not 0 <= corr < 1 or x.dim() < 3:
+        raise ValueError(f"corr must be in [0, 1) and x [B, n, ...], got {corr} and {tuple(x.shape)}")
+    n, rho = x.shape[1], corr
+    quad = (z.pow(2).sum(1) - rho / (1 - rho + n * rho) * z.sum(1).pow(2)) / (1 - rho)        # [B, ...]
+    log_det_c = (n - 1) * math.log(1 - rho) + math.log(1 - rho + n * rho)
+    return (-0.5 * (quad + log_det_c)).flatten(1).sum(1) - (torch.log(std) + 0.5 * LOG_2PI).flatten(1).sum(1)
+
+
+def correlated_noise(shape, corr: float = 0.0, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``eps ~ N(0, C)`` with ``C = (1 - corr) I + corr 1 1^T`` along dim 1 (``gaussian_log_prob``'s ``corr``):
+    ``sqrt(1 - corr) z + sqrt(corr) z_shared``, one ``z_shared`` per chunk and action dim."""
+    eps = torch.randn(shape, generator=generator)
+    if corr:
+        shared = torch.randn(shape[0], 1, *shape[2:], generator=generator)
+        eps = math.sqrt(1 - corr) * eps + math.sqrt(corr) * shared
+    return eps
 
 
 def hybrid_mask(batch: int, num_steps: int, eligible: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -132,7 +158,7 @@ def sample_chain(velocity_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tenso
                  method: str, noise_level: float = 0.0, stochastic: torch.Tensor | None = None,
                  generator: torch.Generator | None = None,
                  log_prob_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
-                 noise_std_fn: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 noise_std_fn: Callable[[torch.Tensor], torch.Tensor] | None = None, noise_corr: float = 0.0):
     """Run ``K`` steps on ``flows.time_grid(K)`` from ``x0 [B, ...]``.
 
     ``velocity_fn(x, t) -> velocity``; ``noise_std_fn(t) -> noise_std`` (learned-noise methods) is called only
@@ -140,8 +166,10 @@ def sample_chain(velocity_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tenso
     the others take the ODE step ``x + v dt``.  ``stochastic=None`` is the ODE.
     Returns ``chain [B, K+1, ...]`` and the per-step log-probs ``[B, K]`` (0 at ODE steps):
     ``log_prob_fn(x_next, mean, std, k) -> [B]``, by default ``gaussian_log_prob`` over every dim.
+    ``noise_corr``: the noise of a step is correlated along dim 1 (``correlated_noise``); ``log_prob_fn``
+    must then score it with the same ``corr``.
     """
-    log_prob_fn = log_prob_fn or (lambda x_next, mean, std, k: gaussian_log_prob(x_next, mean, std))
+    log_prob_fn = log_prob_fn or (lambda x_next, mean, std, k: gaussian_log_prob(x_next, mean, std, noise_corr))
     B, K, dt = x0.shape[0], num_steps, 1.0 / num_steps
     grid = time_grid(K, x0.device)
     mask = torch.zeros(B, K, dtype=torch.bool) if stochastic is None else stochastic
@@ -156,7 +184,7 @@ def sample_chain(velocity_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tenso
         if mask[:, k].any():
             noise_std = noise_std_fn(t) if noise_std_fn is not None else None
             mean, std = transition(method, x, velocity, t, dt, noise_level, noise_std)
-            eps = torch.randn(x.shape, generator=generator).to(x.device)
+            eps = correlated_noise(x.shape, noise_corr, generator).to(x.device)
             noisy = mean + std * eps
             std = torch.as_tensor(std, dtype=x.dtype, device=x.device).expand_as(x)
             lp = log_prob_fn(noisy, mean, std, k)

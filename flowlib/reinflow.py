@@ -61,6 +61,16 @@ from .runs import policy_checkpoint, save_torch
 #                    (params/03_reinflow/cpu*.yaml) used it.
 LOG_PROB_OVER = ("chunk", "executed_last", "executed")
 
+# How the scored step log-probs become the one log-prob of PPO's ratio:
+#   "sum":      the joint log-likelihood of the chain (ReinFlow Eq. 5): the exact importance ratio.
+#   "mean":     divided by the number of stochastic steps.
+#   "mean_dim": divided by the number of scored Gaussian dims (steps x dims, and x_0 when included), as
+#               ReinFlow's public code does (normalize_denoising_horizon and normalize_act_space_dimension).
+#               The ratio is then the geometric mean of the per-dim ratios; its clip (0.01 there, after DPPO)
+#               bounds the average per-dim move, while with "sum" a clip of 0.2 on a 100+-dim ratio allows
+#               ~0.002 per dim.  Under Adam the gradient's scale does not matter, only this trust region.
+LOG_PROB_REDUCE = ("sum", "mean", "mean_dim")
+
 
 # --------------------------------------------------------------------------- noise
 
@@ -152,6 +162,11 @@ class ReinFlowAgent(nn.Module):
     noise and value nets see them.  The normaliser's statistics come from the demonstrations, where some dims
     barely move (the cube's and the gripper's tilt: std 0.0003-0.004); an RL rollout that tips the cube puts
     them at 100+ std, where V extrapolates to |V| ~ 10^4 and its targets wreck the critic and the advantages.
+
+    ``noise_corr`` (``rho``): each step's noise is equicorrelated along the chunk's ``H`` actions,
+    ``Cov = sigma^2 ((1 - rho) I + rho 1 1^T)`` per action dim, and scored with that density
+    (``flow_sde.gaussian_log_prob``).  Independent noise (``rho = 0``) of a few mm per env step averages
+    out within a chunk and is corrected by the next; correlated noise moves the whole chunk.
     """
 
     def __init__(self, policy, num_inference_steps: int = 8, min_noise_std: float = 0.01,
@@ -159,17 +174,19 @@ class ReinFlowAgent(nn.Module):
                  include_initial_noise: bool = False, noise_hidden: int = 128, log_prob_over: str = "chunk",
                  noise_method: str = "reinflow", noise_level: float = 0.5, hybrid: bool = False,
                  log_prob_reduce: str = "sum", critic_input: str = "obs", detach_critic_input: bool = True,
-                 act_horizon: int | None = 0, obs_clip: float = 5.0):
+                 act_horizon: int | None = 0, obs_clip: float = 5.0, noise_corr: float = 0.0):
         super().__init__()
         check_method(noise_method)
         for name, value, allowed in (("log_prob_over", log_prob_over, LOG_PROB_OVER),
-                                     ("log_prob_reduce", log_prob_reduce, ("sum", "mean")),
+                                     ("log_prob_reduce", log_prob_reduce, LOG_PROB_REDUCE),
                                      ("critic_input", critic_input, ("obs", "velocity_features"))):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         if not obs_clip >= 0:
             raise ValueError(f"obs_clip must be >= 0 (0: no clipping), got {obs_clip}")
-        self.obs_clip = float(obs_clip)
+        if not 0 <= noise_corr < 1:
+            raise ValueError(f"noise_corr must be in [0, 1) (0: independent noise per chunk step), got {noise_corr}")
+        self.obs_clip, self.noise_corr = float(obs_clip), float(noise_corr)
         meta = policy.meta
         flow = policy.flow
         if flow.ema is not None:
@@ -199,19 +216,30 @@ class ReinFlowAgent(nn.Module):
         return x[:, start:start + self.act_horizon]
 
     def _step_log_prob(self, x_next, mean, std, k) -> torch.Tensor:  # [P, H, A] x3, step k (int or [P]) -> [P]
-        """``log N(x_{k+1}; mean, std^2)`` over the dims ``log_prob_over`` picks (see ``LOG_PROB_OVER``)."""
+        """``log N(x_{k+1}; mean, std^2)`` over the dims ``log_prob_over`` picks (see ``LOG_PROB_OVER``), with the
+        noise correlated along the chunk by ``noise_corr`` (a subset of an equicorrelated chunk keeps its ``rho``)."""
+        rho = self.noise_corr
+
         def executed(rows=slice(None)):
-            return gaussian_log_prob(self._executed(x_next[rows]), self._executed(mean[rows]), self._executed(std[rows]))
+            return gaussian_log_prob(self._executed(x_next[rows]), self._executed(mean[rows]), self._executed(std[rows]), rho)
 
         if self.log_prob_over == "executed":
             return executed()
         if self.log_prob_over == "executed_last" and isinstance(k, int):  # sampling: one step for the whole batch
-            return executed() if k == self.K - 1 else gaussian_log_prob(x_next, mean, std)
-        lp = gaussian_log_prob(x_next, mean, std)
+            return executed() if k == self.K - 1 else gaussian_log_prob(x_next, mean, std, rho)
+        lp = gaussian_log_prob(x_next, mean, std, rho)
         if self.log_prob_over == "executed_last":  # re-scoring: (sample, step) pairs, some at the last step
             last = k == self.K - 1
             lp[last] = executed(last)
         return lp
+
+    def _step_dims(self, device=None) -> torch.Tensor:  # [K]: Gaussian dims that step k scores
+        """How many dims ``_step_log_prob`` sums at each step (see ``LOG_PROB_OVER``)."""
+        every, executed = self.pred_horizon * self.action_dim, self.act_horizon * self.action_dim
+        dims = torch.full((self.K,), executed if self.log_prob_over == "executed" else every, device=device)
+        if self.log_prob_over == "executed_last":
+            dims[-1] = executed
+        return dims
 
     def _initial_log_prob(self, x0):
         x0 = self._executed(x0) if self.log_prob_over == "executed" else x0
@@ -273,12 +301,21 @@ class ReinFlowAgent(nn.Module):
         return full_mask(B, self.K, self.eligible)
 
     def joint_log_prob(self, step_log_probs: torch.Tensor, stochastic: torch.Tensor, chain: torch.Tensor):
-        """``[B, K]`` step log-probs -> ``[B]``: sum (or mean, ``log_prob_reduce``) over the stochastic steps,
-        plus ``log N(x_0; 0, I)`` when the initial noise is included (it does not depend on the weights,
-        so it cancels in the ratio unless the steps are averaged)."""
-        terms, count = (step_log_probs * stochastic).sum(1), stochastic.sum(1).float()
+        """``[B, K]`` step log-probs -> ``[B]``: the sum over the stochastic steps, plus ``log N(x_0; 0, I)``
+        when the initial noise is included (it does not depend on the weights, so it cancels in the ratio
+        unless the terms are averaged); ``log_prob_reduce`` may divide it by the steps or the scored dims
+        (``LOG_PROB_REDUCE``)."""
+        stochastic = stochastic.to(step_log_probs.dtype)
+        terms = (step_log_probs * stochastic).sum(1)
+        if self.log_prob_reduce == "mean":
+            count = stochastic.sum(1)
+        else:
+            count = (stochastic * self._step_dims(stochastic.device)).sum(1)
         if self.include_initial_noise:
-            terms, count = terms + self._initial_log_prob(chain[:, 0]), count + 1
+            x0 = chain[:, 0]
+            terms = terms + self._initial_log_prob(x0)
+            x0_dims = (self._executed(x0) if self.log_prob_over == "executed" else x0)[0].numel()
+            count = count + (1 if self.log_prob_reduce == "mean" else x0_dims)
         return terms if self.log_prob_reduce == "sum" else terms / count.clamp(min=1)
 
     @torch.no_grad()
@@ -296,7 +333,7 @@ class ReinFlowAgent(nn.Module):
         stochastic = torch.zeros(B, self.K, dtype=torch.bool) if deterministic else self.stochastic_mask(B, generator)
         chain, step_lp = sample_chain(lambda x, t: self.actor.base(x, t, d, o), x0, self.K, self.noise_method,
                                       float(self.noise_level), stochastic, generator, log_prob_fn=self._step_log_prob,
-                                      noise_std_fn=lambda t: self._noise_std(t, o))
+                                      noise_std_fn=lambda t: self._noise_std(t, o), noise_corr=self.noise_corr)
         stochastic = stochastic.to(device)
         log_prob = torch.zeros(B, device=device) if deterministic else self.joint_log_prob(step_lp, stochastic, chain)
         return (chain, log_prob, stochastic, step_lp) if return_steps else (chain, log_prob)
@@ -319,7 +356,8 @@ class ReinFlowAgent(nn.Module):
         mean, std = transition(self.noise_method, x, velocity, t, 1.0 / K, float(self.noise_level), noise_std)
         std = torch.as_tensor(std, dtype=x.dtype, device=x.device).expand_as(x)
         lp = self._step_log_prob(x_next, mean, std, k)                                              # [P]
-        ent = (0.5 * (1 + LOG_2PI) + torch.log(std)).flatten(1).mean(1)  # [P] (std is shared over H)
+        # [P] (std is shared over H); noise_corr only adds a constant, left out so noise_std reads as sigma
+        ent = (0.5 * (1 + LOG_2PI) + torch.log(std)).flatten(1).mean(1)
         step_lp = torch.zeros(B, K, device=chain.device, dtype=lp.dtype).index_put((b, k), lp)
         entropy = torch.zeros(B, device=chain.device).index_add(0, b, ent) / stochastic.sum(1).clamp(min=1)
         return step_lp, entropy
@@ -425,7 +463,7 @@ class ReinFlowConfig:
     noise_method: str = "reinflow"      # reinflow / flow_noise (learned std) / flow_sde / flow_cps (noise_level a)
     noise_level: float = 0.5            # a of flow_sde / flow_cps; scaled by the noise schedule like max_noise_std
     hybrid: bool = False                # one random stochastic step per sample, the rest ODE (hybrid ODE-SDE)
-    log_prob_reduce: str = "sum"        # joint log-prob over the stochastic steps: "sum" (exact) or "mean"
+    log_prob_reduce: str = "sum"        # "sum" (exact joint log-prob), "mean" (over steps), "mean_dim" (per dim, ReinFlow's code)
     ratio_mode: str = "joint"           # "joint" (one-layer MDP) or "per_step" (two-layer MDP: a ratio per step)
     critic_input: str = "obs"           # "obs" (V_vlm analogue) or "velocity_features" (V_expert analogue)
     detach_critic_input: bool = True
@@ -451,6 +489,7 @@ class ReinFlowConfig:
     target_kl: float = 0.0              # 0: no early stop
     norm_adv: bool = True
     obs_clip: float = 5.0               # normalised obs clipped to +-obs_clip (0: off); demos lie within +-7.2 std
+    noise_corr: float = 0.0             # correlation of a step's noise along the chunk's H actions, in [0, 1)
     critic_warmup_steps: int = 128      # env steps during which only the value net learns
     value_hidden_dims: list[int] = dataclasses.field(default_factory=lambda: [256, 256])
     warm_start_value: bool = True       # from a stage-2 checkpoint's V (same inputs), when there is one
@@ -473,6 +512,7 @@ class ReinFlowConfig:
             (self.reward in ("sparse", "dense"), f"reward must be 'sparse' or 'dense', got {self.reward!r}"),
             (self.reward_scale > 0, f"reward_scale must be > 0, got {self.reward_scale}"),
             (self.obs_clip >= 0, f"obs_clip must be >= 0 (0: no clipping), got {self.obs_clip}"),
+            (0 <= self.noise_corr < 1, f"noise_corr must be in [0, 1) (0: independent), got {self.noise_corr}"),
             (self.act_horizon >= 0, f"act_horizon must be >= 0 (0: the checkpoint's own), got {self.act_horizon}"),
             (self.log_prob_over in LOG_PROB_OVER, f"log_prob_over must be one of {LOG_PROB_OVER}, got {self.log_prob_over!r}"),
             (self.noise_schedule in ("constant", "linear", "exp"),
@@ -487,7 +527,8 @@ class ReinFlowConfig:
             (self.total_env_steps > 0, "total_env_steps must be > 0"),
             (self.noise_method in METHODS, f"noise_method must be one of {METHODS}, got {self.noise_method!r}"),
             (self.noise_level >= 0, "noise_level must be >= 0"),
-            (self.log_prob_reduce in ("sum", "mean"), f"log_prob_reduce must be 'sum' or 'mean', got {self.log_prob_reduce!r}"),
+            (self.log_prob_reduce in LOG_PROB_REDUCE,
+             f"log_prob_reduce must be one of {LOG_PROB_REDUCE}, got {self.log_prob_reduce!r}"),
             (self.ratio_mode in ("joint", "per_step"), f"ratio_mode must be 'joint' or 'per_step', got {self.ratio_mode!r}"),
             (self.critic_input in ("obs", "velocity_features"),
              f"critic_input must be 'obs' or 'velocity_features', got {self.critic_input!r}"),
@@ -641,7 +682,7 @@ def _agent(policy, cfg: ReinFlowConfig) -> ReinFlowAgent:
                          noise_method=cfg.noise_method, noise_level=cfg.noise_level, hybrid=cfg.hybrid,
                          log_prob_reduce=cfg.log_prob_reduce, critic_input=cfg.critic_input,
                          detach_critic_input=cfg.detach_critic_input, act_horizon=cfg.act_horizon,
-                         obs_clip=cfg.obs_clip)
+                         obs_clip=cfg.obs_clip, noise_corr=cfg.noise_corr)
 
 
 def build_agent(cfg: ReinFlowConfig, path: Path, spec=None) -> tuple[ReinFlowAgent, str]:

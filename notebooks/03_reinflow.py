@@ -43,6 +43,13 @@
 # time grid than sampling (a known bug in a public implementation) breaks that, and `ppo_update`
 # checks it on every update.
 #
+# **A per-dim ratio.** With $D$ scored Gaussian dims, $\rho$ is a product of $D$ per-dim ratios, so a clip of
+# $\epsilon = 0.2$ on it bounds the average per-dim log-ratio to about $0.2/D$ ($D = 224$ at $K = 4$ with
+# `"executed_last"`). ReinFlow's public code divides the chain's log-prob by the number of dims it scores and
+# clips at $\epsilon = 0.01$ (DPPO's value for state inputs): $\bar\rho = \exp\big(\tfrac1D(\log\pi_\theta - \log\pi_{\theta_\text{old}})\big)$,
+# the geometric mean of the per-dim ratios (`log_prob_reduce = "mean_dim"`). At $\bar\rho = 1$ its gradient
+# is the policy gradient divided by $D$, which Adam's step size ignores; what changes is the trust region.
+#
 # **Chunks as a semi-MDP.** A decision at $s_c$ executes $T_a$ actions, earning
 # $R_c = \sum_{k<\tau}\gamma^k r_{c+k}$ over the $\tau \le T_a$ steps that ran. Then
 # $$\delta_c = R_c + \gamma^{\tau}(1-\text{term}_c)\,V(s_{c+\tau}) - V(s_c),\qquad
@@ -134,6 +141,7 @@ max_grad_norm = 1.0
 target_kl = 0.0
 norm_adv = True
 obs_clip = 5.0
+noise_corr = 0.0
 critic_warmup_steps = 128
 value_hidden_dims = [256, 256]
 warm_start_value = True

@@ -158,3 +158,27 @@ def test_marginal_table_flags_a_wrong_score():
     finally:
         flow_sde.transition = original
     assert not bad["within_1.5x"] and bad["ratio"] > 3
+
+
+@pytest.mark.parametrize("n, rho", [(8, 0.9), (3, 0.5), (16, 0.0)])
+def test_correlated_log_prob_equals_a_multivariate_normal_along_the_chunk(n, rho):
+    torch.manual_seed(0)
+    mean, x = torch.randn(5, n, 4), torch.randn(5, n, 4)
+    std = 0.05 + torch.rand(5, n, 4)  # may differ per step of the chunk
+    corr = (1 - rho) * torch.eye(n) + rho * torch.ones(n, n)
+    expected = torch.zeros(5, dtype=torch.float64)
+    for a in range(4):
+        s = std[:, :, a].double()
+        cov = s[:, :, None] * corr.double() * s[:, None, :]
+        expected += torch.distributions.MultivariateNormal(mean[:, :, a].double(), cov).log_prob(x[:, :, a].double())
+    assert torch.allclose(flow_sde.gaussian_log_prob(x, mean, std, rho).double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_correlated_noise_has_the_asked_correlation_and_a_bad_one_is_rejected():
+    eps = flow_sde.correlated_noise((20_000, 8, 4), 0.9, torch.Generator().manual_seed(0))
+    c = torch.corrcoef(eps[:, :, 0].T)  # [8, 8] over the chunk's steps
+    off = c[~torch.eye(8, dtype=torch.bool)]
+    assert (off - 0.9).abs().max() < 0.02 and (c.diagonal() - 1).abs().max() < 1e-5
+    assert abs(torch.corrcoef(eps[:, 0, :].T)[0, 1]) < 0.03  # action dims stay independent
+    with pytest.raises(ValueError, match="corr must be in"):
+        flow_sde.gaussian_log_prob(eps[:2], eps[:2], torch.ones(1), 1.0)

@@ -31,11 +31,11 @@ def tiny_policy(seed=0):
                            dataset.action_normalizer), dataset
 
 
-def tiny_agent(K=4, include_initial_noise=False, log_prob_over="chunk", act_horizon=None):
+def tiny_agent(K=4, include_initial_noise=False, log_prob_over="chunk", act_horizon=None, log_prob_reduce="sum"):
     policy, dataset = tiny_policy()
     agent = reinflow.ReinFlowAgent(policy, K, min_noise_std=0.05, max_noise_std=0.3, value_hidden_dims=(16,),
                                    include_initial_noise=include_initial_noise, noise_hidden=16,
-                                   log_prob_over=log_prob_over, act_horizon=act_horizon)
+                                   log_prob_over=log_prob_over, act_horizon=act_horizon, log_prob_reduce=log_prob_reduce)
     obs = torch.stack([dataset[i][0] for i in range(5)])  # normalised windows; any raw values will do
     return agent, obs
 
@@ -72,6 +72,61 @@ def test_chain_log_prob_equals_a_closed_form_gaussian_computation(include_initia
         rescored, entropy = agent.log_prob(obs, chain)
     assert torch.allclose(rescored, log_prob, rtol=1e-5, atol=1e-3)
     assert entropy.shape == (5,) and torch.isfinite(entropy).all()
+
+
+@pytest.mark.parametrize("log_prob_over, include_initial_noise, dims",
+                         # K = 4, H = 16, Ta = 8, A = 4: 64 dims per step, 32 executed
+                         [("chunk", False, 4 * 64), ("chunk", True, 5 * 64), ("executed", True, 5 * 32),
+                          ("executed_last", False, 3 * 64 + 32), ("executed_last", True, 4 * 64 + 32)])
+def test_mean_dim_divides_the_joint_log_prob_by_the_dims_it_scores(log_prob_over, include_initial_noise, dims):
+    summed, obs = tiny_agent(include_initial_noise=include_initial_noise, log_prob_over=log_prob_over)
+    per_dim, _ = tiny_agent(include_initial_noise=include_initial_noise, log_prob_over=log_prob_over,
+                            log_prob_reduce="mean_dim")
+    chain, log_prob = summed.sample(obs, torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        rescored, _ = per_dim.log_prob(obs, chain)
+        _, sampled = per_dim.sample(obs, torch.Generator().manual_seed(3))
+    assert torch.allclose(rescored, log_prob / dims, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(sampled, rescored, rtol=1e-5, atol=1e-6)  # sampling and re-scoring agree
+    hybrid = torch.zeros(5, 4, dtype=torch.bool)
+    hybrid[:, 3] = True  # only the last step stochastic: its dims alone, plus x_0's
+    step_lp, _ = per_dim.step_log_probs(obs, chain, hybrid)
+    last = 32 if log_prob_over != "chunk" else 64
+    x0 = (32 if log_prob_over == "executed" else 64) if include_initial_noise else 0
+    expected = step_lp[:, 3].clone()
+    if include_initial_noise:
+        expected += per_dim._initial_log_prob(chain[:, 0])
+    assert torch.allclose(per_dim.joint_log_prob(step_lp, hybrid, chain), expected / (last + x0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("log_prob_over", ["chunk", "executed_last"])
+def test_chunk_correlated_noise_is_drawn_and_scored_as_one_multivariate_normal(log_prob_over):
+    policy, dataset = tiny_policy()
+    rho = 0.8
+    agent = reinflow.ReinFlowAgent(policy, 2, min_noise_std=0.05, max_noise_std=0.3, value_hidden_dims=(16,),
+                                   noise_hidden=16, log_prob_over=log_prob_over, noise_corr=rho)
+    obs = torch.stack([dataset[i][0] for i in range(5)])
+    chain, log_prob = agent.sample(obs, torch.Generator().manual_seed(2))
+    o = agent.obs_normalizer.normalize(obs)
+    expected = torch.zeros(5, dtype=torch.float64)
+    with torch.no_grad():
+        for k, t in enumerate((0.0, 0.5)):
+            tt = torch.full((5,), t)
+            v = agent.actor.base(chain[:, k], tt, torch.full((5,), 0.5), o)
+            std = agent.actor.noise_net(tt, o.flatten(1))                            # [5, A], shared over H
+            mean = chain[:, k] + 0.5 * v
+            rows = slice(1, 9) if (log_prob_over == "executed_last" and k == 1) else slice(None)
+            n = len(range(16)[rows])
+            corr = ((1 - rho) * torch.eye(n) + rho * torch.ones(n, n)).double()
+            for a in range(ACT_DIM):
+                cov = std[:, a, None, None].double() ** 2 * corr
+                mvn = torch.distributions.MultivariateNormal(mean[:, rows, a].double(), cov)
+                expected += mvn.log_prob(chain[:, k + 1, rows, a].double())
+        rescored, _ = agent.log_prob(obs, chain)
+    assert torch.allclose(log_prob.double(), expected, rtol=1e-4, atol=1e-2)
+    assert torch.allclose(rescored, log_prob, rtol=1e-5, atol=1e-3)
+    with pytest.raises(ValueError, match="noise_corr must be in"):
+        reinflow.ReinFlowConfig(noise_corr=1.0)
 
 
 def test_noise_std_stays_in_its_bounds_and_follows_the_max():
