@@ -50,6 +50,11 @@
 # the geometric mean of the per-dim ratios (`log_prob_reduce = "mean_dim"`). At $\bar\rho = 1$ its gradient
 # is the policy gradient divided by $D$, which Adam's step size ignores; what changes is the trust region.
 #
+# **Correlated exploration.** $\epsilon_k$ is independent over the chunk's $H$ actions, so at the CPU noise
+# levels each executed action jitters by ~2 mm and the next chunk corrects it. With `noise_corr` $= \rho$, each
+# action dim's noise is equicorrelated along the chunk, $\operatorname{Cov} = \sigma^2((1-\rho)I + \rho\,\mathbf 1\mathbf 1^\top)$,
+# so a chunk moves as a whole; its log-density stays closed-form (Sherman-Morrison, `flow_sde.gaussian_log_prob`).
+#
 # **Chunks as a semi-MDP.** A decision at $s_c$ executes $T_a$ actions, earning
 # $R_c = \sum_{k<\tau}\gamma^k r_{c+k}$ over the $\tau \le T_a$ steps that ran. Then
 # $$\delta_c = R_c + \gamma^{\tau}(1-\text{term}_c)\,V(s_{c+\tau}) - V(s_c),\qquad
