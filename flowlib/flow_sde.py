@@ -116,9 +116,8 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, co
     """
     std = torch.as_tensor(std, dtype=x.dtype, device=x.device).expand_as(x)
     z = (x - mean) / std
-    independent = (-0.5 * z.pow(2) - torch.log(std) - 0.5 * LOG_2PI).flatten(1).sum(1)
     if not corr:
-        return independent
+        return (-0.5 * z.pow(2) - torch.log(std) - 0.5 * LOG_2PI).flatten(1).sum(1)
     if not 0 <= corr < 1 or x.dim() < 3:
         raise ValueError(f"corr must be in [0, 1) and x [B, n, ...], got {corr} and {tuple(x.shape)}")
     n, rho = x.shape[1], corr

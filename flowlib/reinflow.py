@@ -241,8 +241,11 @@ class ReinFlowAgent(nn.Module):
             dims[-1] = executed
         return dims
 
+    def _scored_x0(self, x0: torch.Tensor) -> torch.Tensor:  # the dims of x_0 in the log-prob
+        return self._executed(x0) if self.log_prob_over == "executed" else x0
+
     def _initial_log_prob(self, x0):
-        x0 = self._executed(x0) if self.log_prob_over == "executed" else x0
+        x0 = self._scored_x0(x0)
         return gaussian_log_prob(x0, torch.zeros_like(x0), torch.ones_like(x0))
 
     # parameter groups
@@ -307,16 +310,17 @@ class ReinFlowAgent(nn.Module):
         (``LOG_PROB_REDUCE``)."""
         stochastic = stochastic.to(step_log_probs.dtype)
         terms = (step_log_probs * stochastic).sum(1)
-        if self.log_prob_reduce == "mean":
-            count = stochastic.sum(1)
-        else:
-            count = (stochastic * self._step_dims(stochastic.device)).sum(1)
         if self.include_initial_noise:
-            x0 = chain[:, 0]
-            terms = terms + self._initial_log_prob(x0)
-            x0_dims = (self._executed(x0) if self.log_prob_over == "executed" else x0)[0].numel()
-            count = count + (1 if self.log_prob_reduce == "mean" else x0_dims)
-        return terms if self.log_prob_reduce == "sum" else terms / count.clamp(min=1)
+            terms = terms + self._initial_log_prob(chain[:, 0])
+        if self.log_prob_reduce == "sum":
+            return terms
+        if self.log_prob_reduce == "mean":
+            count = stochastic.sum(1) + int(self.include_initial_noise)
+        else:  # mean_dim
+            count = (stochastic * self._step_dims(stochastic.device)).sum(1)
+            if self.include_initial_noise:
+                count = count + self._scored_x0(chain[:1, 0]).numel()
+        return terms / count.clamp(min=1)
 
     @torch.no_grad()
     def sample(self, obs_window: torch.Tensor, generator: torch.Generator | None = None, deterministic: bool = False,
