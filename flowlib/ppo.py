@@ -172,6 +172,10 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
     ``L = policy_loss - c_H H[noise] + c_v value_loss``.  Before the first optimiser step the stored and
     re-scored log-probs are the same computation on the same grid, so every ratio must be 1: checked
     on the first minibatch, every update.  ``train_policy=False`` (critic warm-up) fits only the value.
+
+    ``target_kl`` early stop: once a minibatch's approx KL exceeds it, ``cfg.kl_stop = "all"`` ends the
+    update (CleanRL), ``"policy"`` freezes the policy and fits the value for the remaining epochs, so a
+    critic still catching up is not starved by a policy that moves fast.
     """
     device = next(agent.parameters()).device
     batch = {k: v.to(device) for k, v in batch.items()}
@@ -184,6 +188,7 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
         adv_all = (adv_all - mean) / (std + 1e-8)
     stats: dict[str, list[float]] = {k: [] for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac")}
     first, stopped_early, epoch = True, False, 0
+    kl_stop = getattr(cfg, "kl_stop", "all")
     for epoch in range(cfg.update_epochs):
         perm = torch.randperm(n, generator=generator).to(device)
         for start in range(0, n, cfg.minibatch_size):
@@ -195,7 +200,7 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
             v_loss = _masked_mean(value_loss(value, batch["values"][idx], batch["returns"][idx], cfg.value_clip,
                                              cfg.huber_delta), w)
             loss = cfg.vf_coef * v_loss
-            if train_policy:
+            if train_policy and not stopped_early:
                 stoch = batch["stochastic"][idx]
                 step_lp, entropy = agent.step_log_probs(batch["obs"][idx], batch["chains"][idx], stoch)
                 adv = adv_all[idx]
@@ -230,13 +235,14 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
             loss.backward()
             nn.utils.clip_grad_norm_(agent.value_parameters(), cfg.max_grad_norm)
             critic_opt.step()
-            if train_policy:
+            if train_policy and not stopped_early:
                 nn.utils.clip_grad_norm_(agent.policy_parameters(), cfg.max_grad_norm)
                 actor_opt.step()
-            if train_policy and cfg.target_kl and stats["approx_kl"][-1] > cfg.target_kl:
-                stopped_early = True
-                break
-        if stopped_early:
+                if cfg.target_kl and stats["approx_kl"][-1] > cfg.target_kl:
+                    stopped_early = True
+                    if kl_stop == "all":
+                        break
+        if stopped_early and kl_stop == "all":
             break
     out = {k: float(sum(v) / len(v)) for k, v in stats.items() if v}
     out["epochs"] = epoch + 1

@@ -491,6 +491,7 @@ class ReinFlowConfig:
     critic_lr: float = 1e-4
     max_grad_norm: float = 1.0
     target_kl: float = 0.0              # 0: no early stop
+    kl_stop: str = "all"                # past target_kl: "all" ends the update, "policy" keeps fitting the value
     norm_adv: bool = True
     obs_clip: float = 5.0               # normalised obs clipped to +-obs_clip (0: off); demos lie within +-7.2 std
     noise_corr: float = 0.0             # correlation of a step's noise along the chunk's H actions, in [0, 1)
@@ -528,6 +529,7 @@ class ReinFlowConfig:
              "rollout_steps, update_epochs and minibatch_size must be >= 1"),
             (0 < self.gamma <= 1 and 0 <= self.gae_lambda <= 1, "need gamma in (0, 1] and gae_lambda in [0, 1]"),
             (self.clip_coef > 0, "clip_coef must be > 0"),
+            (self.kl_stop in ("all", "policy"), f"kl_stop must be 'all' or 'policy', got {self.kl_stop!r}"),
             (self.total_env_steps > 0, "total_env_steps must be > 0"),
             (self.noise_method in METHODS, f"noise_method must be one of {METHODS}, got {self.noise_method!r}"),
             (self.noise_level >= 0, "noise_level must be >= 0"),

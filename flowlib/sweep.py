@@ -5,6 +5,13 @@
     python -m flowlib.sweep run 03_reinflow params/03_reinflow/ablations --seeds 0 1 2 --backend ray
     python -m flowlib.sweep monitor outputs/03_reinflow/ablations
 
+At CPU scale, the same 22 settings with what does not fit a CPU overridden for every job (``-p``, as in
+``python -m flowlib.run``; a key that some file ablates is refused, since overriding it would erase that
+ablation):
+
+    python -m flowlib.sweep run 03_reinflow params/03_reinflow/ablations --sweep-name ablations_cpu \
+        -p init_checkpoint=01_shortcut_bc/cpu100/best_model.pt -p num_envs=4 -p total_env_steps=49152 ...
+
 Job ``<stem>_seed<s>`` runs ``python -m flowlib.run <notebook> --params <file> -p seed=<s>`` in its
 own OS process, into ``outputs/<notebook>/<sweep>/<stem>_seed<s>/``.  A job whose folder holds
 ``summary.json`` (the notebook's last write) is finished and skipped, so a sweep resumes by running
@@ -27,8 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .config import ConfigError
-from .run import config_class, resolve_parameters
+from .config import ConfigError, load_yaml
+from .run import config_class, parse_overrides, resolve_parameters
 from .runs import REPO_ROOT, outputs_root, read_metrics, save_json
 
 
@@ -51,6 +58,7 @@ class Job:
     seed: int
     run_name: str      # <sweep>/<name>
     out_dir: str
+    overrides: dict = field(default_factory=dict)  # -p KEY=VALUE given to every job of the sweep
 
     @property
     def finished(self) -> bool:
@@ -61,25 +69,47 @@ class Job:
         return (Path(self.out_dir) / "error.txt").exists() and not self.finished
 
     def command(self, notebook: str) -> list[str]:
+        sets = [f"{k}={json.dumps(v)}" for k, v in self.overrides.items()]  # JSON is YAML: parsed back exactly
         return [sys.executable, "-m", "flowlib.run", notebook, "--params", self.params_file,
-                "-p", f"seed={self.seed}", "--run-name", self.run_name]
+                *[arg for kv in sets for arg in ("-p", kv)], "-p", f"seed={self.seed}", "--run-name", self.run_name]
 
 
-def plan(notebook: str, params_dir: str | Path, seeds: list[int], sweep_name: str | None = None) -> list[Job]:
-    """Every (parameter file, seed) pair, validated against the notebook's config before anything runs."""
+def ablated_keys(files: list[Path]) -> dict[str, str]:
+    """Keys whose value differs between the parameter files of a folder -> the first file that differs."""
+    values = {f.stem: load_yaml(f) for f in files}
+    keys = {k for v in values.values() for k in v}
+    out = {}
+    for k in sorted(keys):
+        seen = {json.dumps(v.get(k), sort_keys=True) for v in values.values()}
+        if len(seen) > 1:
+            out[k] = next(stem for stem, v in values.items() if v.get(k) != values[files[0].stem].get(k))
+    return out
+
+
+def plan(notebook: str, params_dir: str | Path, seeds: list[int], sweep_name: str | None = None,
+         overrides: dict | None = None) -> list[Job]:
+    """Every (parameter file, seed) pair, validated against the notebook's config before anything runs.
+    ``overrides`` apply to every job; one that would overwrite what a file ablates is refused."""
     params_dir = Path(params_dir)
     files = sorted(params_dir.glob("*.yaml"))
     if not files:
         raise ConfigError(f"no *.yaml parameter files in {params_dir}")
     config_class(notebook)  # unknown notebook -> clear error
+    overrides = dict(overrides or {})
+    if "seed" in overrides:
+        raise ConfigError("-p seed=... would give every job one seed: use --seeds")
+    clash = {k: f for k, f in ablated_keys(files).items() if k in overrides}
+    if clash:
+        raise ConfigError("-p would overwrite what the sweep ablates: " + ", ".join(
+            f"{k} (varied by {f}.yaml)" for k, f in clash.items()) + "; override only keys every file shares")
     sweep = sweep_name or params_dir.name
     jobs = []
     for f in files:
         for s in seeds:
             name = f"{f.stem}_seed{s}"
             run_name = f"{sweep}/{name}"
-            resolve_parameters(notebook, str(f), {"seed": s}, run_name)  # a typo in any file stops the plan
-            jobs.append(Job(name, str(f), s, run_name, str(outputs_root() / notebook / sweep / name)))
+            resolve_parameters(notebook, str(f), {**overrides, "seed": s}, run_name)  # a typo stops the plan
+            jobs.append(Job(name, str(f), s, run_name, str(outputs_root() / notebook / sweep / name), overrides))
     return jobs
 
 
@@ -132,18 +162,21 @@ def run_ray(jobs: list[Job], notebook: str, address: str = "auto") -> list[dict]
 
 
 def run_sweep(notebook: str, params_dir: str | Path, seeds: list[int], gpus: list[str] | None = None,
-              max_jobs: int = 1, backend: str = "local", dry_run: bool = False, sweep_name: str | None = None) -> dict:
-    jobs = plan(notebook, params_dir, seeds, sweep_name)
+              max_jobs: int = 1, backend: str = "local", dry_run: bool = False, sweep_name: str | None = None,
+              overrides: dict | None = None) -> dict:
+    jobs = plan(notebook, params_dir, seeds, sweep_name, overrides)
     todo = [j for j in jobs if not j.finished]
     sweep_dir = Path(jobs[0].out_dir).parent
     print(f"sweep {sweep_dir}: {len(jobs)} jobs ({len(jobs) - len(todo)} finished, {len(todo)} to run), backend {backend}")
+    if overrides:
+        print("  every job: " + " ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items()))
     for j in jobs:
         print(f"  {'skip' if j.finished else 'run '}  {j.name:40s} {j.params_file}  seed={j.seed}")
     if dry_run:
         return {"jobs": len(jobs), "todo": len(todo), "ran": []}
     sweep_dir.mkdir(parents=True, exist_ok=True)
     save_json(sweep_dir / "sweep.json", {"notebook": notebook, "params_dir": str(params_dir), "seeds": seeds,
-                                         "jobs": [asdict(j) for j in jobs]})
+                                         "overrides": dict(overrides or {}), "jobs": [asdict(j) for j in jobs]})
     if backend == "ray":
         rows = run_ray(todo, notebook)
     elif backend == "local":
@@ -210,8 +243,9 @@ def load_sweep(sweep_dir: str | Path):
 
 def summarize(curves, finals, level: float = 0.9, metric: str = "train/success_once"):
     """Per variant, over seeds: env steps to first reach ``level`` of ``metric`` (mean; NaN if a
-    seed never does, and how many did), final deterministic success (mean, std), stability (std of
-    the metric over the second half of the run, mean over seeds) and seconds per iteration."""
+    seed never does, and how many did), final deterministic success (mean, std), its gain over the
+    same run's start on the same episodes (mean, std), stability (std of the metric over the second
+    half of the run, mean over seeds) and seconds per iteration."""
     import numpy as np
     import pandas as pd
 
@@ -230,6 +264,7 @@ def summarize(curves, finals, level: float = 0.9, metric: str = "train/success_o
                      f"steps_to_{level:g}": np.nanmean(reach) if not np.isnan(reach).all() else np.nan,
                      "seeds_reaching": int((~np.isnan(reach)).sum()),
                      "final_success_mean": runs.after.mean(), "final_success_std": runs.after.std(ddof=0),
+                     "gain_mean": (runs.after - runs.before).mean(), "gain_std": (runs.after - runs.before).std(ddof=0),
                      "stability_std": np.nanmean(stability) if not np.isnan(stability).all() else np.nan,
                      "s_per_iteration": float(np.mean(per_iter))})
     return pd.DataFrame(rows).sort_values(["category", "variant"]).reset_index(drop=True)
@@ -247,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--jobs", type=int, default=1, help="concurrent CPU jobs when no --gpus are given")
     r.add_argument("--backend", choices=["local", "ray"], default="local")
     r.add_argument("--sweep-name", help="folder under outputs/<notebook>/ (default: the params folder's name)")
+    r.add_argument("-p", "--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one parameter in every job (not one the files ablate)")
     r.add_argument("--dry-run", action="store_true", help="print the plan and stop")
     m = sub.add_parser("monitor", help="progress of a sweep folder")
     m.add_argument("sweep_dir")
@@ -254,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "run":
             out = run_sweep(args.notebook, args.params_dir, args.seeds, args.gpus, args.jobs, args.backend,
-                            args.dry_run, args.sweep_name)
+                            args.dry_run, args.sweep_name, parse_overrides(args.set))
             return 1 if any(r["status"] != "done" for r in out["ran"]) else 0
         rows = monitor(args.sweep_dir)
     except (ConfigError, FileNotFoundError) as err:

@@ -144,6 +144,7 @@ actor_lr = 3e-05
 critic_lr = 0.0001
 max_grad_norm = 1.0
 target_kl = 0.0
+kl_stop = "all"
 norm_adv = True
 obs_clip = 5.0
 noise_corr = 0.0

@@ -24,7 +24,7 @@
 # * **sample efficiency**: env steps until the training success rate first reaches `success_level`
 #   (mean over the seeds that reach it, and how many do);
 # * **final success**: the deterministic chain on the held-out evaluation seeds after training,
-#   mean and spread (std) over seeds;
+#   mean and spread (std) over seeds, and its gain over the start on the same episodes;
 # * **stability**: the std of the success curve over the second half of each run, averaged over seeds;
 # * **cost**: seconds per PPO iteration (rollout + update).
 #
@@ -81,7 +81,8 @@ y = np.arange(len(table))
 axes[0].barh(y, table.final_success_mean, xerr=table.final_success_std, color="tab:blue", alpha=0.8)
 axes[0].set_yticks(y, labels)
 axes[0].set_xlim(0, 1)
-axes[0].set_xlabel(f"final success_once ({', '.join(map(str, cfg.seeds))} seeds)")
+axes[0].axvline(finals.before.mean(), ls="--", c="k", lw=0.8)  # the start, on the same episodes
+axes[0].set_xlabel(f"final success_once (mean +- std over {finals.seed.nunique()} seed(s); dashed: the start)")
 axes[1].barh(y, table.s_per_iteration, color="tab:gray")
 axes[1].set_yticks(y, [])
 axes[1].set_xlabel("seconds per iteration")
@@ -90,18 +91,29 @@ runs.save_figure(fig, run_path, "final_success")
 plt.show()
 
 # %% [markdown]
-# ## Learning curves (mean over seeds, band = min..max)
+# ## Learning curves per category (mean over seeds, band = min..max; the baseline, black, in every panel)
 
 # %%
-fig, ax = plt.subplots(figsize=(7, 3.5))
-for variant, c in curves.dropna(subset=[cfg.metric]).groupby("variant"):
-    agg = c.groupby("step")[cfg.metric].agg(["mean", "min", "max"])
-    ax.plot(agg.index, agg["mean"], label=variant)
-    ax.fill_between(agg.index, agg["min"], agg["max"], alpha=0.2)
-ax.axhline(cfg.success_level, ls="--", c="k", lw=0.8)
-ax.set_xlabel("env steps")
-ax.set_ylabel(cfg.metric)
-ax.legend(fontsize=7, ncol=2)
+scored = curves.dropna(subset=[cfg.metric])
+categories = [c for c in sorted(scored.category.unique()) if c != "baseline"] or ["baseline"]
+ncols = min(3, len(categories))
+nrows = -(-len(categories) // ncols)
+fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3 * nrows), sharey=True, squeeze=False)
+for ax, cat in zip(axes.flat, categories):
+    shown = scored[(scored.category == cat) | (scored.variant == "baseline")]
+    for variant, c in shown.groupby("variant"):
+        agg = c.groupby("step")[cfg.metric].agg(["mean", "min", "max"])
+        style = {"color": "k", "lw": 1.5} if variant == "baseline" else {"lw": 1.2}
+        ax.plot(agg.index, agg["mean"], label=variant, **style)
+        ax.fill_between(agg.index, agg["min"], agg["max"], alpha=0.15, color=style.get("color"))
+    ax.axhline(cfg.success_level, ls="--", c="gray", lw=0.8)
+    ax.set_title(cat)
+    ax.set_xlabel("env steps")
+    ax.legend(fontsize=7)
+for ax in axes.flat[len(categories):]:
+    ax.set_visible(False)
+axes[0, 0].set_ylabel(cfg.metric)
+fig.tight_layout()
 runs.save_figure(fig, run_path, "learning_curves")
 plt.show()
 

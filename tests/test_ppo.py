@@ -164,3 +164,27 @@ def test_ppo_through_the_chain_raises_a_bandits_reward_and_a_flipped_advantage_l
     assert after > before + 0.04, (before, after)
     before, after = bandit_fine_tune(method, sign=-1.0)  # the control: the same update, uphill on -A
     assert after < before - 0.04, (before, after)
+
+
+def test_kl_stop_policy_freezes_the_policy_where_all_stops_and_keeps_fitting_the_value():
+    """Past target_kl, "all" ends the update (value included); "policy" moves the policy exactly as
+    "all" does, then spends the remaining epochs on the value alone."""
+    out = {}
+    for mode in ("all", "policy"):
+        agent, obs = agent_for("reinflow")
+        batch = batch_of(agent, obs)                                          # 6 decisions
+        cfg = reinflow.ReinFlowConfig(minibatch_size=3, update_epochs=3, norm_adv=False, target_kl=1e-12, kl_stop=mode)
+        opt_a = torch.optim.SGD(agent.policy_parameters(), 1e-1)
+        opt_c = torch.optim.SGD(agent.value_parameters(), 1e-2)
+        value_before = torch.nn.functional.mse_loss(agent.value(obs), batch["returns"]).item()
+        stats = ppo.ppo_update(agent, batch, opt_a, opt_c, cfg, generator=torch.Generator().manual_seed(0))
+        value_after = torch.nn.functional.mse_loss(agent.value(obs), batch["returns"]).item()
+        out[mode] = (stats, [p.detach().clone() for p in agent.policy_parameters()], value_before, value_after)
+    (s_all, pol_all, v0, v_all), (s_pol, pol_pol, _, v_pol) = out["all"], out["policy"]
+    # the first minibatch has ratio 1 (KL 0); the second one's KL > 1e-12 stops the policy
+    assert s_all["kl_early_stop"] == s_pol["kl_early_stop"] == 1.0
+    assert s_all["epochs"] == 1 and s_pol["epochs"] == 3
+    assert all(torch.equal(a, b) for a, b in zip(pol_all, pol_pol))         # same policy steps, then frozen
+    assert v_pol < v_all < v0                                                 # 6 value steps beat 2
+    with pytest.raises(ValueError, match="kl_stop must be 'all' or 'policy'"):
+        reinflow.ReinFlowConfig(kl_stop="value")

@@ -62,3 +62,46 @@ def test_a_failing_job_is_recorded_and_the_others_still_run(tmp_path, monkeypatc
     assert [r["status"] for r in rows] == ["failed", "failed"]
     with pytest.raises(FileNotFoundError, match="sweep folder"):
         sweep.monitor(tmp_path)
+
+
+def test_overrides_reach_every_job_but_may_not_erase_an_ablation(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path))
+    cpu = {"init_checkpoint": "01_shortcut_bc/cpu100/best_model.pt", "num_envs": 4, "bench_num_envs": [4]}
+    jobs = sweep.plan("03_reinflow", ABLATIONS, [0, 1], "ablations_cpu", cpu)
+    assert len(jobs) == 44 and all(j.overrides == cpu for j in jobs)
+    cmd = jobs[0].command("03_reinflow")
+    sets = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "-p"]
+    assert sets == ['init_checkpoint="01_shortcut_bc/cpu100/best_model.pt"', "num_envs=4", "bench_num_envs=[4]",
+                    "seed=0"]
+    from flowlib.run import parse_overrides
+    assert parse_overrides(sets) == {**cpu, "seed": 0}  # what the job's flowlib.run reads back
+    with pytest.raises(ConfigError, match="num_inference_steps \\(varied by steps_K16.yaml\\)"):
+        sweep.plan("03_reinflow", ABLATIONS, [0], overrides={"num_inference_steps": 4})
+    with pytest.raises(ConfigError, match="use --seeds"):
+        sweep.plan("03_reinflow", ABLATIONS, [0], overrides={"seed": 3})
+    with pytest.raises(ConfigError, match="num_env"):
+        sweep.plan("03_reinflow", ABLATIONS, [0], overrides={"num_env": 4})
+
+
+def test_summarize_reports_steps_to_level_gain_stability_and_cost_per_setting():
+    import numpy as np
+    import pandas as pd
+
+    def curve(job, variant, successes):
+        return [{"job": job, "variant": variant, "step": 100 * (i + 1), "train/success_once": v,
+                 "rollout_time": 2.0, "update_time": 1.0} for i, v in enumerate(successes)]
+
+    curves = pd.DataFrame(curve("a0", "noise_exp", [0.2, 0.5, 0.9, 0.7]) + curve("a1", "noise_exp", [0.9, 0.9, 0.9, 0.9])
+                          + curve("b0", "baseline", [0.1, 0.2, 0.3, 0.4]))
+    finals = pd.DataFrame([{"job": "a0", "variant": "noise_exp", "category": "noise", "seed": 0, "before": 0.5, "after": 0.7},
+                           {"job": "a1", "variant": "noise_exp", "category": "noise", "seed": 1, "before": 0.5, "after": 0.9},
+                           {"job": "b0", "variant": "baseline", "category": "baseline", "seed": 0, "before": 0.5, "after": 0.4}])
+    t = sweep.summarize(curves, finals, level=0.9).set_index("variant")
+    assert t.loc["noise_exp", "steps_to_0.9"] == 200.0 and t.loc["noise_exp", "seeds_reaching"] == 2  # 300 and 100
+    assert np.isnan(t.loc["baseline", "steps_to_0.9"]) and t.loc["baseline", "seeds_reaching"] == 0
+    assert t.loc["noise_exp", "final_success_mean"] == pytest.approx(0.8)
+    assert t.loc["noise_exp", "final_success_std"] == pytest.approx(0.1)
+    assert t.loc["noise_exp", "gain_mean"] == pytest.approx(0.3) and t.loc["baseline", "gain_mean"] == pytest.approx(-0.1)
+    # stability: std of the second half, [0.9, 0.7] and [0.9, 0.9], averaged over seeds
+    assert t.loc["noise_exp", "stability_std"] == pytest.approx(np.std([0.9, 0.7], ddof=1) / 2)
+    assert t.loc["noise_exp", "s_per_iteration"] == pytest.approx(3.0)
