@@ -745,11 +745,20 @@ def env_steps_per_iteration(cfg: ReinFlowConfig, num_envs: int, act_horizon: int
     return decisions_per_iteration(cfg, act_horizon) * num_envs * act_horizon
 
 
+def in_critic_warmup(steps_before: int, cfg: ReinFlowConfig) -> bool:
+    """Whether the iteration that starts after ``steps_before`` env steps updates only the value net.
+
+    It does if it starts within the first ``critic_warmup_steps`` env steps: ceil(N / steps per iteration)
+    iterations, so the policy learns from none of the first N env steps (an iteration that only *ended*
+    by step N would round down, and N below one iteration would mean no warm-up at all)."""
+    return steps_before < cfg.critic_warmup_steps
+
+
 def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracker=None) -> dict:
     """ReinFlow: PPO on the noisy denoising chain, chunks as a semi-MDP (ReinFlow Alg. 1).
 
     Each iteration: set ``max_noise_std`` from the schedule, collect ``rollout_steps`` decisions
-    per env, GAE, then PPO (value net only while ``env_steps < critic_warmup_steps``).  Every
+    per env, GAE, then PPO (value net only in iterations that start before ``critic_warmup_steps``).  Every
     ``eval_every`` iterations the deterministic chain is evaluated on ``val_seed`` episodes, which pick
     ``best_model.pt`` (the training episodes restart afterwards); ``eval_seed`` stays for the report.
     ``last.pt`` (atomic) every ``ckpt_every`` iterations; with ``resume`` a run continues from it.  Returns ``{"best": ..., "iterations": ...}``.
@@ -799,10 +808,11 @@ def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracke
             G = cfg.group_size
             runner.restart([runner.next_seed + i // G for i in range(env.num_envs)])
             runner.next_seed += env.num_envs // G
+        steps_before = runner.env_steps
         buf = collect(agent, runner, decisions_per_iteration(cfg, agent.act_horizon), gen, auto_reset=not grpo)
         rollout_time = time.time() - t0
         advantages, returns = buf.advantages(cfg)
-        warmup = runner.env_steps <= cfg.critic_warmup_steps
+        warmup = in_critic_warmup(steps_before, cfg)
         agent.train()
         t1 = time.time()
         stats = ppo_update(agent, buf.flat(advantages, returns), actor_opt, critic_opt, cfg,

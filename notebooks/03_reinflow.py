@@ -65,7 +65,9 @@
 # per decision re-plan more often, with more decisions per env step and fewer dims in each log-prob.
 #
 # **Critic warm-up.** The value net starts from scratch (or from the stage-2 $V$): for the first
-# `critic_warmup_steps` env steps only it learns, so the first policy updates see sane advantages.
+# `critic_warmup_steps` env steps only it learns, so the first policy updates see sane advantages. Updates come
+# once per iteration, so the warm-up is every iteration that *starts* within those steps:
+# ceil(N / env steps per iteration) iterations.
 #
 # **Observation clipping.** The nets see observations normalised by the demonstrations' mean and std. Some
 # dims barely move in the demos (the tilt of the cube and of the gripper: std 0.0003-0.004), so a rollout

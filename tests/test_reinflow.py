@@ -348,3 +348,13 @@ def test_reward_scale_scales_what_learning_sees_and_not_the_logged_return():
     assert ret1 == pytest.approx(ret01) and ret1 > r1.item()  # undiscounted, unscaled episode return
     with pytest.raises(ValueError, match="reward_scale"):
         reinflow.ReinFlowConfig(reward_scale=0.0)
+
+
+@pytest.mark.parametrize("per_iteration, counts", [(4096, [0, 1, 1, 2, 3]), (16384, [0, 1, 1, 1, 1])])
+def test_critic_warmup_covers_the_first_n_env_steps_in_whole_iterations(per_iteration, counts):
+    """ceil(N / steps per iteration) value-only iterations: the policy learns from none of the first N
+    env steps, and a warm-up shorter than one iteration is one iteration, not none."""
+    for n, expected in zip([0, 2000, 4096, 5000, 10000], counts):
+        cfg = reinflow.ReinFlowConfig(critic_warmup_steps=n)
+        warm = [reinflow.in_critic_warmup(i * per_iteration, cfg) for i in range(6)]
+        assert warm == [True] * expected + [False] * (6 - expected), (n, per_iteration)
