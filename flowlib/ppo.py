@@ -188,7 +188,6 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
         adv_all = (adv_all - mean) / (std + 1e-8)
     stats: dict[str, list[float]] = {k: [] for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac")}
     first, stopped_early, epoch = True, False, 0
-    kl_stop = getattr(cfg, "kl_stop", "all")
     for epoch in range(cfg.update_epochs):
         perm = torch.randperm(n, generator=generator).to(device)
         for start in range(0, n, cfg.minibatch_size):
@@ -240,9 +239,9 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
                 actor_opt.step()
                 if cfg.target_kl and stats["approx_kl"][-1] > cfg.target_kl:
                     stopped_early = True
-                    if kl_stop == "all":
+                    if cfg.kl_stop == "all":
                         break
-        if stopped_early and kl_stop == "all":
+        if stopped_early and cfg.kl_stop == "all":
             break
     out = {k: float(sum(v) / len(v)) for k, v in stats.items() if v}
     out["epochs"] = epoch + 1

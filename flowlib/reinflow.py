@@ -495,7 +495,7 @@ class ReinFlowConfig:
     norm_adv: bool = True
     obs_clip: float = 5.0               # normalised obs clipped to +-obs_clip (0: off); demos lie within +-7.2 std
     noise_corr: float = 0.0             # correlation of a step's noise along the chunk's H actions, in [0, 1)
-    critic_warmup_steps: int = 128      # env steps during which only the value net learns
+    critic_warmup_steps: int = 128      # iterations that start within these env steps update only the value net
     value_hidden_dims: list[int] = dataclasses.field(default_factory=lambda: [256, 256])
     warm_start_value: bool = True       # from a stage-2 checkpoint's V (same inputs), when there is one
     # evaluation and bookkeeping

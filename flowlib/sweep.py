@@ -75,14 +75,13 @@ class Job:
 
 
 def ablated_keys(files: list[Path]) -> dict[str, str]:
-    """Keys whose value differs between the parameter files of a folder -> the first file that differs."""
-    values = {f.stem: load_yaml(f) for f in files}
-    keys = {k for v in values.values() for k in v}
-    out = {}
-    for k in sorted(keys):
-        seen = {json.dumps(v.get(k), sort_keys=True) for v in values.values()}
-        if len(seen) > 1:
-            out[k] = next(stem for stem, v in values.items() if v.get(k) != values[files[0].stem].get(k))
+    """Keys whose value differs from the first file's -> the first file where it differs."""
+    first, out = load_yaml(files[0]), {}
+    for f in files[1:]:
+        values = load_yaml(f)
+        for k in sorted(first.keys() | values.keys()):
+            if values.get(k) != first.get(k):
+                out.setdefault(k, f.stem)
     return out
 
 
