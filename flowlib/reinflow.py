@@ -30,6 +30,7 @@ normalisers map to and from the env.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from . import bc, ppo
+from . import bc, config, ppo
 from .config import require
 from .flow_sde import (LEARNED_NOISE, LOG_2PI, METHODS, check_method, full_mask, gaussian_log_prob, hybrid_mask,
                        sample_chain, stochastic_steps, transition)
@@ -682,6 +683,27 @@ def init_checkpoint_path(cfg: ReinFlowConfig) -> Path:
     return policy_checkpoint(cfg.init_checkpoint, "init_checkpoint")
 
 
+@functools.lru_cache(maxsize=8)
+def _start_meta(path: str, mtime: float) -> dict:  # a sweep plans dozens of jobs from one start checkpoint
+    return bc.read_checkpoint(path)["meta"]
+
+
+def start_problem(cfg: ReinFlowConfig) -> str:
+    """Why the start checkpoint cannot run ``cfg`` ("" if it can): checked before a run or a sweep starts,
+    so a job that would fail is known when it is planned.  A start that does not exist yet is not checked
+    (a sweep may be planned before stage 1 has run; the run itself then stops with "not found")."""
+    try:
+        path = init_checkpoint_path(cfg)
+    except FileNotFoundError:
+        return ""
+    max_steps = _start_meta(str(path), path.stat().st_mtime)["shortcut_max_steps"]
+    if cfg.num_inference_steps > max_steps:
+        return (f"num_inference_steps = {cfg.num_inference_steps}, but the start {path} is a ShortCut trained "
+                f"for at most {max_steps} steps: train it with shortcut_max_steps >= {cfg.num_inference_steps} "
+                f"(params/01_shortcut_bc/gpu.yaml has 16) or use num_inference_steps <= {max_steps}")
+    return ""
+
+
 def _agent(policy, cfg: ReinFlowConfig) -> ReinFlowAgent:
     return ReinFlowAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
                          tuple(cfg.value_hidden_dims), cfg.include_initial_noise, log_prob_over=cfg.log_prob_over,
@@ -727,13 +749,36 @@ def read_agent_checkpoint(path: str | Path) -> dict:
     return ckpt
 
 
-def load_agent(path: str | Path) -> ReinFlowAgent:
-    """A fine-tuned agent from a ReinFlow checkpoint (``last.pt`` / ``best_model.pt``), in eval mode."""
+def checkpoint_config(ckpt: dict, overrides: dict | None = None) -> ReinFlowConfig:
+    """The config a ReinFlow checkpoint ran with, with ``overrides`` (unknown keys and wrong types rejected)."""
+    values = {"obs_clip": 0.0, **ckpt["config"]}  # checkpoints from before obs_clip ran unclipped
+    for key, value in (overrides or {}).items():
+        values[key] = value
+    return config.validate(ReinFlowConfig, values, "checkpoint config + overrides")
+
+
+def load_agent(path: str | Path, overrides: dict | None = None) -> ReinFlowAgent:
+    """A fine-tuned agent from a ReinFlow checkpoint (``last.pt`` / ``best_model.pt``), in eval mode.
+
+    ``overrides`` change how the same weights sample and score (``noise_corr``, ``log_prob_over``, ``K`` ...)."""
     ckpt = read_agent_checkpoint(path)
-    config = {"obs_clip": 0.0, **ckpt["config"]}  # checkpoints from before obs_clip ran unclipped
-    agent = _agent(bc.build_policy(ckpt["meta"]), ReinFlowConfig(**config))
+    agent = _agent(bc.build_policy(ckpt["meta"]), checkpoint_config(ckpt, overrides))
     agent.load_state_dict(ckpt["agent"])
     return agent.eval()
+
+
+def policy_gradient(agent: ReinFlowAgent, obs: torch.Tensor, chains: torch.Tensor, stochastic: torch.Tensor,
+                    advantages: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    """The flat gradient ``[P]`` of ``-mean_i A_i log pi(chain_i | s_i)`` with respect to ``params``.
+
+    ``obs [B, To, O]``, ``chains [B, K+1, H, A]``, ``stochastic [B, K]``, ``advantages [B]``.  This is the
+    likelihood-ratio policy gradient (Williams 1992) of the denoising MDP, with the chain's log-likelihood of
+    ReinFlow Eq. 5: the gradient of the PPO surrogate (Schulman et al. 2017, Eq. 7) on the first minibatch
+    of an update, where every ratio is 1 (before advantage normalisation, which the caller does or not).
+    A parameter that the log-prob does not reach gets a zero gradient."""
+    log_prob, _ = agent.log_prob(obs, chains, stochastic)
+    grads = torch.autograd.grad(-(advantages * log_prob).mean(), params, allow_unused=True)
+    return torch.cat([(torch.zeros_like(p) if g is None else g).flatten() for g, p in zip(grads, params)])
 
 
 def decisions_per_iteration(cfg: ReinFlowConfig, act_horizon: int) -> int:

@@ -32,6 +32,12 @@ NOTEBOOK_CONFIGS = {
 }
 
 
+# notebook -> a check of its parameters against the files they name ("module:function", config -> problem or "")
+NOTEBOOK_PREFLIGHT = {
+    "03_reinflow": "flowlib.reinflow:start_problem",
+}
+
+
 def config_class(notebook: str):
     if notebook not in NOTEBOOK_CONFIGS:
         raise ConfigError(f"unknown notebook {notebook!r}; choose one of {sorted(NOTEBOOK_CONFIGS)}")
@@ -62,6 +68,14 @@ def resolve_parameters(notebook: str, params_file: str | None = None, overrides:
     return values
 
 
+def preflight(notebook: str, parameters: dict[str, Any]) -> str:
+    """Why these (valid) parameters cannot run, from the files they name ("" if they can or nobody checks)."""
+    if notebook not in NOTEBOOK_PREFLIGHT:
+        return ""
+    module, name = NOTEBOOK_PREFLIGHT[notebook].split(":")
+    return getattr(importlib.import_module(module), name)(validate(config_class(notebook), parameters))
+
+
 def execute(notebook: str, parameters: dict[str, Any], kernel: str = "python3", log_output: bool = False) -> Path:
     """Execute ``notebooks/<notebook>.ipynb`` with ``parameters``; return the executed copy's path."""
     import papermill as pm
@@ -86,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         params = resolve_parameters(args.notebook, args.params, parse_overrides(args.set), args.run_name)
+        problem = preflight(args.notebook, params)
+        if problem:
+            raise ConfigError(problem)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

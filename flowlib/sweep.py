@@ -15,7 +15,9 @@ ablation):
 Job ``<stem>_seed<s>`` runs ``python -m flowlib.run <notebook> --params <file> -p seed=<s>`` in its
 own OS process, into ``outputs/<notebook>/<sweep>/<stem>_seed<s>/``.  A job whose folder holds
 ``summary.json`` (the notebook's last write) is finished and skipped, so a sweep resumes by running
-the same command again.  A failing job writes ``error.txt`` and the others go on.
+the same command again.  A failing job writes ``error.txt`` and the others go on; a job the plan can
+tell will fail (``flowlib.run.preflight``: e.g. K = 16 from a start trained for 8 steps) is listed as
+``fail`` by ``--dry-run`` and recorded without being started.
 
 Backends: ``local`` runs one job per listed GPU at a time (``CUDA_VISIBLE_DEVICES``; ``--gpus``
 empty = ``--jobs`` CPU jobs); ``ray`` submits the same jobs as Ray tasks with ``num_gpus=1`` to an
@@ -35,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .config import ConfigError, load_yaml
-from .run import config_class, parse_overrides, resolve_parameters
+from .run import config_class, parse_overrides, preflight, resolve_parameters
 from .runs import REPO_ROOT, outputs_root, read_metrics, save_json
 
 
@@ -59,6 +61,7 @@ class Job:
     run_name: str      # <sweep>/<name>
     out_dir: str
     overrides: dict = field(default_factory=dict)  # -p KEY=VALUE given to every job of the sweep
+    problem: str = ""  # why it cannot run (flowlib.run.preflight): recorded as failed, never started
 
     @property
     def finished(self) -> bool:
@@ -107,8 +110,9 @@ def plan(notebook: str, params_dir: str | Path, seeds: list[int], sweep_name: st
         for s in seeds:
             name = f"{f.stem}_seed{s}"
             run_name = f"{sweep}/{name}"
-            resolve_parameters(notebook, str(f), {**overrides, "seed": s}, run_name)  # a typo stops the plan
-            jobs.append(Job(name, str(f), s, run_name, str(outputs_root() / notebook / sweep / name), overrides))
+            values = resolve_parameters(notebook, str(f), {**overrides, "seed": s}, run_name)  # a typo stops the plan
+            jobs.append(Job(name, str(f), s, run_name, str(outputs_root() / notebook / sweep / name), overrides,
+                            preflight(notebook, values)))
     return jobs
 
 
@@ -128,6 +132,15 @@ def run_job(job: Job, notebook: str, gpu: str | None = None) -> dict:
         tail = (out / "job.log").read_text()[-4000:]
         (out / "error.txt").write_text(f"exit code {proc.returncode}\n{tail}")
     return {"job": job.name, "status": status, "gpu": gpu, "wall_s": round(time.time() - t0, 1)}
+
+
+def record_unstartable(job: Job) -> dict:
+    """A job the plan knows cannot run: its ``error.txt`` says why; nothing is started."""
+    out = Path(job.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "error.txt").write_text(f"not started: {job.problem}\n")
+    print(f"[failed] {job.name} (not started: {job.problem})", flush=True)
+    return {"job": job.name, "status": "failed", "gpu": None, "wall_s": 0.0}
 
 
 def run_local(jobs: list[Job], notebook: str, gpus: list[str], max_jobs: int = 1) -> list[dict]:
@@ -166,22 +179,25 @@ def run_sweep(notebook: str, params_dir: str | Path, seeds: list[int], gpus: lis
     jobs = plan(notebook, params_dir, seeds, sweep_name, overrides)
     todo = [j for j in jobs if not j.finished]
     sweep_dir = Path(jobs[0].out_dir).parent
-    print(f"sweep {sweep_dir}: {len(jobs)} jobs ({len(jobs) - len(todo)} finished, {len(todo)} to run), backend {backend}")
+    blocked = sum(bool(j.problem) for j in todo)
+    print(f"sweep {sweep_dir}: {len(jobs)} jobs ({len(jobs) - len(todo)} finished, {len(todo)} to run"
+          + (f", {blocked} of them cannot start" if blocked else "") + f"), backend {backend}")
     if overrides:
         print("  every job: " + " ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items()))
     for j in jobs:
-        print(f"  {'skip' if j.finished else 'run '}  {j.name:40s} {j.params_file}  seed={j.seed}")
+        print(f"  {'skip' if j.finished else 'fail' if j.problem else 'run '}  {j.name:40s} {j.params_file}  seed={j.seed}"
+              + (f"\n        will not start: {j.problem}" if j.problem and not j.finished else ""))
     if dry_run:
         return {"jobs": len(jobs), "todo": len(todo), "ran": []}
     sweep_dir.mkdir(parents=True, exist_ok=True)
     save_json(sweep_dir / "sweep.json", {"notebook": notebook, "params_dir": str(params_dir), "seeds": seeds,
                                          "overrides": dict(overrides or {}), "jobs": [asdict(j) for j in jobs]})
-    if backend == "ray":
-        rows = run_ray(todo, notebook)
-    elif backend == "local":
-        rows = run_local(todo, notebook, gpus or [], max_jobs)
-    else:
+    if backend not in ("local", "ray"):
         raise ValueError(f"backend must be 'local' or 'ray', got {backend!r}")
+    rows = [record_unstartable(j) for j in todo if j.problem]
+    runnable = [j for j in todo if not j.problem]
+    if runnable:
+        rows += run_ray(runnable, notebook) if backend == "ray" else run_local(runnable, notebook, gpus or [], max_jobs)
     failed = [r["job"] for r in rows if r["status"] != "done"]
     print(f"done: {len(rows) - len(failed)} ok, {len(failed)} failed" + (f" ({', '.join(failed)})" if failed else ""))
     return {"jobs": len(jobs), "todo": len(todo), "ran": rows}

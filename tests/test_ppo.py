@@ -188,3 +188,42 @@ def test_kl_stop_policy_freezes_the_policy_where_all_stops_and_keeps_fitting_the
     assert v_pol < v_all < v0                                                 # 6 value steps beat 2
     with pytest.raises(ValueError, match="kl_stop must be 'all' or 'policy'"):
         reinflow.ReinFlowConfig(kl_stop="value")
+
+
+def test_policy_gradient_is_the_first_ppo_step():
+    """The gradient the SNR benchmark measures is the one PPO's first minibatch steps along (SGD, no clipping)."""
+    agent, obs = agent_for("reinflow")
+    batch = batch_of(agent, obs)
+    params = agent.policy_parameters()
+    grad = reinflow.policy_gradient(agent, obs, batch["chains"], batch["stochastic"], batch["advantages"], params)
+    before = torch.cat([p.detach().flatten() for p in params])
+    one_update(agent, batch, ent_coef=0.0, max_grad_norm=1e9)                   # SGD, lr 1e-2
+    after = torch.cat([p.detach().flatten() for p in params])
+    assert grad.abs().max() > 0
+    assert (after - (before - 1e-2 * grad)).abs().max() < 1e-6
+
+
+def test_gradient_signal_recovers_signal_noise_and_the_batch_for_cosine_one_half():
+    g = torch.Generator().manual_seed(0)
+    P, n, s = 200, 400, 20.0
+    mu = torch.randn(P, generator=g)
+    mu = mu / mu.norm()                                                       # |mu|^2 = 1
+    draw = lambda rows: mu + (s / P) ** 0.5 * torch.randn(rows, P, generator=g)  # noise trace s per row
+    est = ppo.gradient_signal(draw(n))
+    assert abs(est["signal"] - 1.0) < 3 * est["signal_se"] and est["signal_se"] < 0.2
+    assert abs(est["noise"] - s) < 0.05 * s
+    assert abs(est["rows_for_half"] - s) < 0.3 * s
+    # the predicted cosine between two independent means of m rows against the measured one
+    m = 20
+    cos = [torch.cosine_similarity(draw(m).mean(0), draw(m).mean(0), 0).item() for _ in range(300)]
+    assert abs(sum(cos) / len(cos) - ppo.expected_cosine(1.0, s, m)) < 0.03
+    assert ppo.expected_cosine(1.0, s, m) == 0.5
+    # Gram matrices of disjoint parameter groups add up to the whole's
+    rows = draw(n)
+    halves = ppo.gram_signal(rows[:, :P // 2] @ rows[:, :P // 2].T + rows[:, P // 2:] @ rows[:, P // 2:].T)
+    assert halves["signal"] == pytest.approx(ppo.gradient_signal(rows)["signal"], rel=1e-6)
+    # no signal: the estimate is within noise of 0
+    noise_only = ppo.gradient_signal(draw(n) - mu)
+    assert abs(noise_only["signal"]) < 3 * noise_only["signal_se"]
+    with pytest.raises(ValueError, match="n >= 3"):
+        ppo.gradient_signal(torch.zeros(2, P))

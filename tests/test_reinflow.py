@@ -1,18 +1,23 @@
 """Stage 3 (ReinFlow): chain log-probs, the PPO ratio before an update, SMDP GAE, noise schedules,
 critic warm-up, and a two-iteration fine-tune in a real PickCube env."""
 import dataclasses
+import importlib.util
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from flowlib import bc, reinflow
+from flowlib.config import ConfigError
 from flowlib.data import ChunkDataset, Episode
 from flowlib.envs import make_env
 from flowlib.tracking import Tracker
 
 OBS_DIM, ACT_DIM = 42, 4  # PickCube-v1, state obs, pd_ee_delta_pos
+REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_policy(seed=0):
@@ -250,7 +255,7 @@ def test_observations_far_outside_the_demonstrations_are_clipped_before_the_nets
         reinflow.ReinFlowConfig(obs_clip=-1.0)
 
 
-def test_a_checkpoint_from_before_obs_clip_loads_unclipped_as_it_ran(tmp_path):
+def test_a_checkpoint_loads_as_it_ran_unclipped_from_before_obs_clip_and_takes_checked_overrides(tmp_path):
     policy, _ = tiny_policy()
     cfg = reinflow.ReinFlowConfig(num_inference_steps=4, value_hidden_dims=[16])
     agent = reinflow._agent(policy, cfg)
@@ -264,6 +269,10 @@ def test_a_checkpoint_from_before_obs_clip_loads_unclipped_as_it_ran(tmp_path):
     torch.save({"format": reinflow.CHECKPOINT_FORMAT, "meta": agent.meta, "config": config,
                 "agent": agent.state_dict()}, path)
     assert reinflow.load_agent(path).obs_clip == 5.0
+    # the same weights, sampled and scored another way; a misspelt key names the right one
+    assert reinflow.load_agent(path, {"noise_corr": 0.9}).noise_corr == 0.9
+    with pytest.raises(ConfigError, match="did you mean 'noise_corr'"):
+        reinflow.load_agent(path, {"noise_cor": 0.9})
 
 
 def test_chain_of_wrong_shape_is_rejected():
@@ -318,6 +327,19 @@ def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, 
                        agent.act(window, generator=torch.Generator().manual_seed(0)))
     with pytest.raises(ValueError, match="not a ReinFlow checkpoint"):
         reinflow.read_agent_checkpoint(path)
+    if not options:  # the gradient-SNR benchmark on this checkpoint: 2 rollouts x 2 envs = 4 independent units
+        monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "outputs"))
+        spec = importlib.util.spec_from_file_location("gradient_snr", REPO / "benchmarks" / "gradient_snr.py")
+        snr = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(snr)
+        snr.main([str(tmp_path / "run" / "last.pt"), "--rollouts", "2", "--num-envs", "2", "--decisions", "3"])
+        result = json.loads((tmp_path / "outputs" / "benchmarks" / "gradient_snr" / "default.json").read_text())
+        assert result["units"] == 4 and result["decisions"] == 12
+        modules = [k for k in result if k.startswith("velocity.")]
+        assert {"velocity.down", "velocity.final"} <= set(modules)
+        # the velocity net's Gram matrix is the sum of its modules': so are its signal and noise
+        for key in ("signal", "noise"):
+            assert result["velocity"][key] == pytest.approx(sum(result[m][key] for m in modules), rel=1e-6, abs=1e-9)
 
 
 @pytest.mark.parametrize("num_envs", [1, 2])

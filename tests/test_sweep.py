@@ -105,3 +105,37 @@ def test_summarize_reports_steps_to_level_gain_stability_and_cost_per_setting():
     # stability: std of the second half, [0.9, 0.7] and [0.9, 0.9], averaged over seeds
     assert t.loc["noise_exp", "stability_std"] == pytest.approx(np.std([0.9, 0.7], ddof=1) / 2)
     assert t.loc["noise_exp", "s_per_iteration"] == pytest.approx(3.0)
+
+
+def test_a_job_the_start_checkpoint_cannot_run_is_known_at_plan_time_and_never_started(tmp_path, monkeypatch, capsys):
+    """K = 16 from a ShortCut trained for 8 steps: the dry run says so, the sweep records it without starting it,
+    and flowlib.run refuses it before a kernel starts."""
+    from flowlib import bc, run
+    from test_reinflow import tiny_policy
+
+    monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "out"))
+    start = tmp_path / "out" / "01_shortcut_bc" / "s1" / "best_model.pt"
+    policy, _ = tiny_policy()
+    bc.save_checkpoint(start, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
+    params = tmp_path / "params"
+    params.mkdir()
+    (params / "steps_K16.yaml").write_text("num_inference_steps: 16\n")
+    (params / "steps_K4.yaml").write_text("num_inference_steps: 4\n")
+    jobs = sweep.plan("03_reinflow", params, [0], overrides={"init_checkpoint": "01_shortcut_bc/s1/best_model.pt"})
+    assert [bool(j.problem) for j in jobs] == [True, False]
+    assert "at most 8 steps" in jobs[0].problem and "shortcut_max_steps >= 16" in jobs[0].problem
+    sweep.run_sweep("03_reinflow", params, [0], dry_run=True, overrides={"init_checkpoint": "01_shortcut_bc/s1/best_model.pt"})
+    printed = capsys.readouterr().out
+    assert "fail  steps_K16_seed0" in printed and "run   steps_K4_seed0" in printed and "1 of them cannot start" in printed
+    # a missing start is not judged at plan time (stage 1 may not have run yet)
+    assert not sweep.plan("03_reinflow", params, [0], overrides={"init_checkpoint": "later/best_model.pt"})[0].problem
+    (params / "steps_K4.yaml").unlink()  # it would start a real run
+    out = sweep.run_sweep("03_reinflow", params, [0], overrides={"init_checkpoint": "01_shortcut_bc/s1/best_model.pt"})
+    assert [r["status"] for r in out["ran"]] == ["failed"]
+    job_dir = tmp_path / "out" / "03_reinflow" / "params" / "steps_K16_seed0"
+    assert "not started: num_inference_steps = 16" in (job_dir / "error.txt").read_text()
+    assert not (job_dir / "job.log").exists()
+    assert sweep.monitor(job_dir.parent)[0]["status"] == "failed"
+    assert run.main(["03_reinflow", "--params", str(params / "steps_K16.yaml"),
+                     "-p", "init_checkpoint=01_shortcut_bc/s1/best_model.pt"]) == 2
+    assert "at most 8 steps" in capsys.readouterr().err

@@ -1,0 +1,129 @@
+"""How much of stage 3's policy gradient is signal, and how many decisions an update needs to see it.
+
+Loads a ReinFlow checkpoint (its policy and its trained critic), collects ``--rollouts`` independent
+rollouts of ``--decisions`` chunk decisions in each of ``--num-envs`` envs (every rollout restarts the
+envs on fresh seeds), computes GAE advantages with the run's settings, normalises them over the whole
+pool, and takes one policy-gradient estimate per (rollout, env) unit (``reinflow.policy_gradient``: the
+gradient of the first PPO minibatch, where every ratio is 1).  The units are independent, so
+``ppo.gram_signal`` splits the gradient into signal ``|mu|^2`` and per-unit noise, for the velocity net
+(what moves the deterministic policy), each of its modules, and the noise net.  It prints the expected cosine
+between the gradients of two independent batches of 64 / 256 / 1024 / 4096 / 16384 decisions and the
+batch at which it reaches 1/2; a run's PPO steps are minibatches of 64-256 decisions.  Where the signal is
+within 2 SE of 0 (not detected), the cosines are upper bounds and the batch a lower bound.
+
+    .venv/bin/python benchmarks/gradient_snr.py outputs/03_reinflow/cpu_lownoise_clip_exlast_250k_s0/last.pt \\
+        --rollouts 32 --name lownoise
+    .venv/bin/python benchmarks/gradient_snr.py <same> -p noise_corr=0.9 --noise-std 0.2 --name corr09_std02
+
+``-p KEY=VALUE`` changes how the same weights sample and score (``log_prob_over``, ``noise_corr``, ...);
+``--noise-std`` sets ``max_noise_std`` for the rollouts (default: the run's schedule at the checkpoint).
+Writes ``outputs/benchmarks/gradient_snr/<name>.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from tqdm import tqdm
+
+from flowlib import ppo, reinflow
+from flowlib.envs import make_env
+from flowlib.runs import run_dir, save_json
+from flowlib.run import parse_overrides
+
+BATCHES = (64, 256, 1024, 4096, 16384)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint", help="a ReinFlow last.pt / best_model.pt (its critic gives the advantages)")
+    ap.add_argument("--rollouts", type=int, default=16)
+    ap.add_argument("--decisions", type=int, default=0, help="decisions per env per rollout (0: the run's rollout_steps)")
+    ap.add_argument("--num-envs", type=int, default=8)
+    ap.add_argument("--noise-std", type=float, default=0.0, help="max_noise_std of the rollouts (0: the run's schedule)")
+    ap.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--seed", type=int, default=5_000_000, help="first env seed (away from training and evaluation)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--name", default="default")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    overrides = parse_overrides(args.param)
+    ckpt = reinflow.read_agent_checkpoint(args.checkpoint)
+    cfg = reinflow.checkpoint_config(ckpt, overrides)
+    agent = reinflow.load_agent(args.checkpoint, overrides)
+    std = args.noise_std or reinflow.noise_schedule(cfg.noise_schedule, ckpt["env_steps"] / max(cfg.noise_decay_steps, 1),
+                                                    cfg.max_noise_std, cfg.final_noise_std)
+    agent.set_max_noise_std(std)
+    T = args.decisions or cfg.rollout_steps
+    print(f"{args.checkpoint} at {ckpt['env_steps']} env steps; max_noise_std {std:.3f}; K = {agent.K}; "
+          f"log_prob_over {cfg.log_prob_over}; noise_corr {cfg.noise_corr}; reward {cfg.reward}")
+
+    # --- rollouts: one unit = one env's T decisions in one rollout
+    t0, gen, pool = time.time(), torch.Generator().manual_seed(args.seed), []
+    with make_env(cfg.env_id, args.num_envs, max_episode_steps=cfg.max_episode_steps) as env:
+        runner = reinflow.ChunkRunner(env, agent.obs_horizon, cfg.gamma, cfg.reward, first_seed=args.seed,
+                                      reward_scale=cfg.reward_scale)
+        for _ in tqdm(range(args.rollouts), desc="rollouts", mininterval=10):
+            runner.restart()
+            buf = reinflow.collect(agent, runner, T, gen)
+            advantages, returns = buf.advantages(cfg)
+            pool.append((buf, advantages, returns))
+    episodes = runner.pop_finished()
+    rollout_s = time.time() - t0
+    adv = torch.stack([a for _, a, _ in pool])                                 # [R, T, N]
+    adv = (adv - adv.mean()) / (adv.std() + 1e-8)                              # as ppo_update's norm_adv
+    values = torch.cat([b.values.flatten() for b, _, _ in pool])
+    ev = ppo.explained_variance(values, torch.cat([r.flatten() for _, _, r in pool]))
+
+    # --- one gradient per unit; Gram matrices per module of the velocity net and for the noise net
+    parts = {f"velocity.{name}": list(m.parameters()) for name, m in agent.actor.base.named_children()}
+    parts = {name: params for name, params in parts.items() if params}
+    parts["noise"] = list(agent.actor.noise_net.parameters())
+    sizes = [sum(p.numel() for p in params) for params in parts.values()]
+    rows = {k: [] for k in parts}
+    t1 = time.time()
+    for r, (buf, _, _) in enumerate(tqdm(pool, desc="gradients", mininterval=10)):
+        for i in range(args.num_envs):
+            g = reinflow.policy_gradient(agent, buf.obs[:, i], buf.chains[:, i], buf.stochastic[:, i], adv[r, :, i],
+                                         [p for params in parts.values() for p in params])
+            for name, part in zip(parts, g.split(sizes)):
+                rows[name].append(part)
+    grams = {}
+    for name in list(rows):
+        g = torch.stack(rows.pop(name))                                        # [units, P_part]
+        grams[name] = g @ g.T
+    grams = {"velocity": sum(v for k, v in grams.items() if k.startswith("velocity.")), **grams}
+    sizes = {"velocity": sum(sizes[:-1]), **dict(zip(parts, sizes))}
+    grad_s = time.time() - t1
+
+    result = {"checkpoint": args.checkpoint, "env_steps": ckpt["env_steps"], "max_noise_std": std, "K": agent.K,
+              "overrides": overrides, "units": len(pool) * args.num_envs, "decisions_per_unit": T,
+              "decisions": len(pool) * args.num_envs * T, "explained_variance": ev, "rollout_s": rollout_s,
+              "gradient_s": grad_s, "episodes": len(episodes),
+              "train_success_once": sum(e["success_once"] for e in episodes) / max(len(episodes), 1)}
+    print(f"{result['decisions']} decisions ({result['units']} units of {T}) in {rollout_s:.0f} s; "
+          f"{len(episodes)} episodes, success_once {result['train_success_once']:.2f}; explained variance {ev:.2f}")
+    print(f"{'params of':>17} {'count':>8} {'signal |mu|^2':>14} {'+- SE':>9} {'noise / unit':>12} "
+          + " ".join(f"{'cos@' + str(b):>9}" for b in BATCHES) + f" {'decisions for cos 1/2':>22}")
+    for name, gram in grams.items():
+        s = ppo.gram_signal(gram)
+        # not detected (signal < 2 SE): the cosines are upper bounds, from signal + 2 SE
+        s["detected"] = s["signal"] > 2 * s["signal_se"]
+        bound = s["signal"] if s["detected"] else max(s["signal"], 0.0) + 2 * s["signal_se"]
+        s["params"] = sizes[name]
+        s["decisions_for_half"] = s["noise"] / bound * T
+        s["cosine"] = {b: ppo.expected_cosine(bound, s["noise"], b / T) for b in BATCHES}
+        result[name] = s
+        mark = "" if s["detected"] else "<"
+        print(f"{name:>17} {sizes[name]:>8} {s['signal']:>14.3e} {s['signal_se']:>9.1e} {s['noise']:>12.3e} "
+              + " ".join(f"{mark + format(c, '.3f'):>9}" for c in s["cosine"].values())
+              + f" {('>' if mark else '') + format(s['decisions_for_half'], '.0f'):>22}")
+    print("< and >: no signal detected (|mu|^2 within 2 SE of 0); bounds from |mu|^2 + 2 SE")
+    path = run_dir("benchmarks", "gradient_snr") / f"{args.name}.json"
+    save_json(path, result)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
