@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from flowlib import ppo, reinflow
 from flowlib.envs import make_env
+from flowlib.flow_sde import LEARNED_NOISE
 from flowlib.runs import run_dir, save_json
 from flowlib.run import parse_overrides
 
@@ -56,8 +57,10 @@ def main(argv=None) -> None:
                                                     cfg.max_noise_std, cfg.final_noise_std)
     agent.set_max_noise_std(std)
     T = args.decisions or cfg.rollout_steps
-    print(f"{args.checkpoint} at {ckpt['env_steps']} env steps; max_noise_std {std:.3f}; K = {agent.K}; "
-          f"log_prob_over {cfg.log_prob_over}; noise_corr {cfg.noise_corr}; reward {cfg.reward}")
+    noise = (f"max_noise_std {std:.3f}; noise_corr {cfg.noise_corr}" if cfg.noise_method in LEARNED_NOISE
+             else f"noise_level {cfg.noise_level}")
+    print(f"{args.checkpoint} at {ckpt['env_steps']} env steps; {cfg.noise_method}{' + hybrid' if cfg.hybrid else ''}; "
+          f"{noise}; K = {agent.K}; log_prob_over {cfg.log_prob_over}; reward {cfg.reward}")
 
     # --- rollouts: one unit = one env's T decisions in one rollout
     t0, gen, pool = time.time(), torch.Generator().manual_seed(args.seed), []
@@ -107,6 +110,9 @@ def main(argv=None) -> None:
     print(f"{'params of':>17} {'count':>8} {'signal |mu|^2':>14} {'+- SE':>9} {'noise / unit':>12} "
           + " ".join(f"{'cos@' + str(b):>9}" for b in BATCHES) + f" {'decisions for cos 1/2':>22}")
     for name, gram in grams.items():
+        if not gram.diagonal().any():  # e.g. the noise net under flow_sde, whose noise is a fixed schedule
+            print(f"{name:>17} {sizes[name]:>8}  not in the log-prob (zero gradient)")
+            continue
         s = ppo.gram_signal(gram)
         # not detected (signal < 2 SE): the cosines are upper bounds, from signal + 2 SE
         s["detected"] = s["signal"] > 2 * s["signal_se"]
