@@ -83,21 +83,22 @@ def main(argv=None) -> None:
     parts = {f"velocity.{name}": list(m.parameters()) for name, m in agent.actor.base.named_children()}
     parts = {name: params for name, params in parts.items() if params}
     parts["noise"] = list(agent.actor.noise_net.parameters())
-    sizes = [sum(p.numel() for p in params) for params in parts.values()]
+    counts = {name: sum(p.numel() for p in params) for name, params in parts.items()}
     rows = {k: [] for k in parts}
     t1 = time.time()
     for r, (buf, _, _) in enumerate(tqdm(pool, desc="gradients", mininterval=10)):
         for i in range(args.num_envs):
             g = reinflow.policy_gradient(agent, buf.obs[:, i], buf.chains[:, i], buf.stochastic[:, i], adv[r, :, i],
                                          [p for params in parts.values() for p in params])
-            for name, part in zip(parts, g.split(sizes)):
+            for name, part in zip(parts, g.split(list(counts.values()))):
                 rows[name].append(part)
     grams = {}
     for name in list(rows):
         g = torch.stack(rows.pop(name))                                        # [units, P_part]
         grams[name] = g @ g.T
-    grams = {"velocity": sum(v for k, v in grams.items() if k.startswith("velocity.")), **grams}
-    sizes = {"velocity": sum(sizes[:-1]), **dict(zip(parts, sizes))}
+    velocity = [k for k in parts if k.startswith("velocity.")]
+    grams = {"velocity": sum(grams[k] for k in velocity), **grams}
+    counts = {"velocity": sum(counts[k] for k in velocity), **counts}
     grad_s = time.time() - t1
 
     result = {"checkpoint": args.checkpoint, "env_steps": ckpt["env_steps"], "max_noise_std": std, "K": agent.K,
@@ -111,18 +112,15 @@ def main(argv=None) -> None:
           + " ".join(f"{'cos@' + str(b):>9}" for b in BATCHES) + f" {'decisions for cos 1/2':>22}")
     for name, gram in grams.items():
         if not gram.diagonal().any():  # e.g. the noise net under flow_sde, whose noise is a fixed schedule
-            print(f"{name:>17} {sizes[name]:>8}  not in the log-prob (zero gradient)")
+            print(f"{name:>17} {counts[name]:>8}  not in the log-prob (zero gradient)")
             continue
-        s = ppo.gram_signal(gram)
-        # not detected (signal < 2 SE): the cosines are upper bounds, from signal + 2 SE
-        s["detected"] = s["signal"] > 2 * s["signal_se"]
-        bound = s["signal"] if s["detected"] else max(s["signal"], 0.0) + 2 * s["signal_se"]
-        s["params"] = sizes[name]
-        s["decisions_for_half"] = s["noise"] / bound * T
-        s["cosine"] = {b: ppo.expected_cosine(bound, s["noise"], b / T) for b in BATCHES}
+        s = ppo.gram_signal(gram)  # not detected: the cosines are upper bounds, the decisions a lower bound
+        s["params"] = counts[name]
+        s["decisions_for_half"] = s["noise"] / s["signal_bound"] * T
+        s["cosine"] = {b: ppo.expected_cosine(s["signal_bound"], s["noise"], b / T) for b in BATCHES}
         result[name] = s
         mark = "" if s["detected"] else "<"
-        print(f"{name:>17} {sizes[name]:>8} {s['signal']:>14.3e} {s['signal_se']:>9.1e} {s['noise']:>12.3e} "
+        print(f"{name:>17} {counts[name]:>8} {s['signal']:>14.3e} {s['signal_se']:>9.1e} {s['noise']:>12.3e} "
               + " ".join(f"{mark + format(c, '.3f'):>9}" for c in s["cosine"].values())
               + f" {('>' if mark else '') + format(s['decisions_for_half'], '.0f'):>22}")
     print("< and >: no signal detected (|mu|^2 within 2 SE of 0); bounds from |mu|^2 + 2 SE")

@@ -263,7 +263,9 @@ def gradient_signal(grads: torch.Tensor) -> dict[str, float]:
     The mean of ``m`` rows has signal-to-noise ``signal / (noise / m)``; two independent such means meet at a
     cosine of about ``signal / (signal + noise / m)`` (``expected_cosine``), which is 1/2 at
     ``m = noise / signal`` rows (``rows_for_half``; infinite when no signal is detected).  ``signal_se`` is
-    the jackknife standard error over rows (leave one row out).  A signal within ~2 SE of 0 is not detected.
+    the jackknife standard error over rows (leave one row out).  A signal within 2 SE of 0 is not
+    ``detected``; ``signal_bound`` is then its upper bound ``max(signal, 0) + 2 SE`` (else the signal itself),
+    which turns cosines into upper bounds and ``noise / signal_bound`` into a lower bound on the rows.
     """
     if grads.dim() != 2:
         raise ValueError(f"grads must be [n, P], got {tuple(grads.shape)}")
@@ -284,8 +286,11 @@ def gram_signal(gram: torch.Tensor) -> dict[str, float]:
     loo = (total_off - 2 * row_off) / ((n - 1) * (n - 2))                  # [n]  signal without row i
     signal_se = ((n - 1) / n * ((loo - loo.mean()) ** 2).sum()).sqrt()
     noise = diag.mean() - signal
+    detected = bool(signal > 2 * signal_se)
+    bound = signal if detected else signal.clamp(min=0) + 2 * signal_se
     return {"n": n, "signal": float(signal), "signal_se": float(signal_se), "noise": float(noise),
-            "rows_for_half": float(noise / signal) if signal > 0 else float("inf")}
+            "rows_for_half": float(noise / signal) if signal > 0 else float("inf"),
+            "detected": detected, "signal_bound": float(bound)}
 
 
 def expected_cosine(signal: float, noise: float, m: float) -> float:

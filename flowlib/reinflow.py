@@ -751,9 +751,7 @@ def read_agent_checkpoint(path: str | Path) -> dict:
 
 def checkpoint_config(ckpt: dict, overrides: dict | None = None) -> ReinFlowConfig:
     """The config a ReinFlow checkpoint ran with, with ``overrides`` (unknown keys and wrong types rejected)."""
-    values = {"obs_clip": 0.0, **ckpt["config"]}  # checkpoints from before obs_clip ran unclipped
-    for key, value in (overrides or {}).items():
-        values[key] = value
+    values = {"obs_clip": 0.0, **ckpt["config"], **(overrides or {})}  # checkpoints from before obs_clip ran unclipped
     return config.validate(ReinFlowConfig, values, "checkpoint config + overrides")
 
 

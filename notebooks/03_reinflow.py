@@ -320,5 +320,5 @@ print(f"success_once {before['success_once']:.2f} -> {after['success_once']:.2f}
 # `benchmarks/gradient_snr.py` measures this on a fine-tuned checkpoint. For the velocity net on 2 cores
 # (README, stage-3 results), no sampling setting shows a signal beyond 2 standard errors in 8k-33k decisions: a
 # 256-decision iteration has a cosine of at most ~0.01-0.02 with the expected gradient, and half-clear updates need
-# more than 16k-28k decisions each. The noise $s$ falls as $1/\sigma^2$ with the exploration std $\sigma$, since each
+# more than 15k-28k decisions each. The noise $s$ falls as $1/\sigma^2$ with the exploration std $\sigma$, since each
 # score term carries $\varepsilon / \sigma$.

@@ -213,6 +213,7 @@ def test_gradient_signal_recovers_signal_noise_and_the_batch_for_cosine_one_half
     assert abs(est["signal"] - 1.0) < 3 * est["signal_se"] and est["signal_se"] < 0.2
     assert abs(est["noise"] - s) < 0.05 * s
     assert abs(est["rows_for_half"] - s) < 0.3 * s
+    assert est["detected"] and est["signal_bound"] == est["signal"]
     # the predicted cosine between two independent means of m rows against the measured one
     m = 20
     cos = [torch.cosine_similarity(draw(m).mean(0), draw(m).mean(0), 0).item() for _ in range(300)]
@@ -225,5 +226,6 @@ def test_gradient_signal_recovers_signal_noise_and_the_batch_for_cosine_one_half
     # no signal: the estimate is within noise of 0
     noise_only = ppo.gradient_signal(draw(n) - mu)
     assert abs(noise_only["signal"]) < 3 * noise_only["signal_se"]
+    assert not noise_only["detected"] and noise_only["signal_bound"] >= 2 * noise_only["signal_se"] > 0  # covers 0
     with pytest.raises(ValueError, match="n >= 3"):
         ppo.gradient_signal(torch.zeros(2, P))
