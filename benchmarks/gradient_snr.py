@@ -17,6 +17,8 @@ within 2 SE of 0 (not detected), the cosines are upper bounds and the batch a lo
 
 ``-p KEY=VALUE`` changes how the same weights sample and score (``log_prob_over``, ``noise_corr``, ...);
 ``--noise-std`` sets ``max_noise_std`` for the rollouts (default: the run's schedule at the checkpoint).
+``-p advantage=branch -p branches=2`` tries two chains per decision from one saved env state (a unit is an
+env with its branches); decisions then count every branch, as their env steps do.
 Writes ``outputs/benchmarks/gradient_snr/<name>.json``.
 """
 from __future__ import annotations
@@ -69,7 +71,7 @@ def main(argv=None) -> None:
                                       reward_scale=cfg.reward_scale)
         for _ in tqdm(range(args.rollouts), desc="rollouts", mininterval=10):
             runner.restart()
-            buf = reinflow.collect(agent, runner, T, gen)
+            buf = reinflow.collect(agent, runner, T, gen, branches=cfg.branches)
             advantages, returns = buf.advantages(cfg)
             pool.append((buf, advantages, returns))
     episodes = runner.pop_finished()
@@ -79,6 +81,7 @@ def main(argv=None) -> None:
     values = torch.cat([b.values.flatten() for b, _, _ in pool])
     ev = ppo.explained_variance(values, torch.cat([r.flatten() for _, _, r in pool]))
 
+    C = T * cfg.branches  # chunks executed per unit: with branches, every try of a decision costs its env steps
     # --- one gradient per unit; Gram matrices per module of the velocity net and for the noise net
     parts = {f"velocity.{name}": list(m.parameters()) for name, m in agent.actor.base.named_children()}
     parts = {name: params for name, params in parts.items() if params}
@@ -86,9 +89,12 @@ def main(argv=None) -> None:
     counts = {name: sum(p.numel() for p in params) for name, params in parts.items()}
     rows = {k: [] for k in parts}
     t1 = time.time()
+    M = cfg.branches
     for r, (buf, _, _) in enumerate(tqdm(pool, desc="gradients", mininterval=10)):
         for i in range(args.num_envs):
-            g = reinflow.policy_gradient(agent, buf.obs[:, i], buf.chains[:, i], buf.stochastic[:, i], adv[r, :, i],
+            cols = [i + m * args.num_envs for m in range(M)]  # env i and its branches (column m * N + i)
+            g = reinflow.policy_gradient(agent, buf.obs[:, cols].flatten(0, 1), buf.chains[:, cols].flatten(0, 1),
+                                         buf.stochastic[:, cols].flatten(0, 1), adv[r][:, cols].flatten(),
                                          [p for params in parts.values() for p in params])
             for name, part in zip(parts, g.split(list(counts.values()))):
                 rows[name].append(part)
@@ -102,11 +108,11 @@ def main(argv=None) -> None:
     grad_s = time.time() - t1
 
     result = {"checkpoint": args.checkpoint, "env_steps": ckpt["env_steps"], "max_noise_std": std, "K": agent.K,
-              "overrides": overrides, "units": len(pool) * args.num_envs, "decisions_per_unit": T,
-              "decisions": len(pool) * args.num_envs * T, "explained_variance": ev, "rollout_s": rollout_s,
+              "overrides": overrides, "units": len(pool) * args.num_envs, "decisions_per_unit": C,
+              "branches": cfg.branches, "decisions": len(pool) * args.num_envs * C, "explained_variance": ev, "rollout_s": rollout_s,
               "gradient_s": grad_s, "episodes": len(episodes),
               "train_success_once": sum(e["success_once"] for e in episodes) / max(len(episodes), 1)}
-    print(f"{result['decisions']} decisions ({result['units']} units of {T}) in {rollout_s:.0f} s; "
+    print(f"{result['decisions']} decisions ({result['units']} units of {C}) in {rollout_s:.0f} s; "
           f"{len(episodes)} episodes, success_once {result['train_success_once']:.2f}; explained variance {ev:.2f}")
     print(f"{'params of':>17} {'count':>8} {'signal |mu|^2':>14} {'+- SE':>9} {'noise / unit':>12} "
           + " ".join(f"{'cos@' + str(b):>9}" for b in BATCHES) + f" {'decisions for cos 1/2':>22}")
@@ -116,8 +122,8 @@ def main(argv=None) -> None:
             continue
         s = ppo.gram_signal(gram)  # not detected: the cosines are upper bounds, the decisions a lower bound
         s["params"] = counts[name]
-        s["decisions_for_half"] = s["noise"] / s["signal_bound"] * T
-        s["cosine"] = {b: ppo.expected_cosine(s["signal_bound"], s["noise"], b / T) for b in BATCHES}
+        s["decisions_for_half"] = s["noise"] / s["signal_bound"] * C
+        s["cosine"] = {b: ppo.expected_cosine(s["signal_bound"], s["noise"], b / C) for b in BATCHES}
         result[name] = s
         mark = "" if s["detected"] else "<"
         print(f"{name:>17} {counts[name]:>8} {s['signal']:>14.3e} {s['signal_se']:>9.1e} {s['noise']:>12.3e} "

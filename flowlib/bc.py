@@ -255,6 +255,7 @@ def evaluate(policy: FlowPolicy, env, num_episodes: int, num_inference_steps: in
     wall = time.time() - t0
     out = {"success_once": float(np.mean(once)), "success_at_end": float(np.mean(at_end)),
            "return": float(np.mean(returns)), "episodes": len(once), "per_episode_success_once": once,
+           "per_episode_return": returns,
            "env_steps_per_s": steps / wall, "policy_time_fraction": policy_time / wall, "frames": frames}
     if record:
         out["rollouts"] = episodes

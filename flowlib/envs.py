@@ -9,6 +9,11 @@
 Either way ``reset`` / ``step`` take and return batched torch tensors (``[N, ...]``).  Episodes
 ignore termination (as in ManiSkill's evaluation) and end at ``max_episode_steps`` by truncation;
 there is no auto-reset: call ``reset`` to start the next batch of episodes.
+
+On ``physx_cpu`` the envs can also go back in time: ``snapshot()`` saves every env's simulator state
+(and its step count), ``restore(states)`` puts it back, so several actions can be tried from one state
+(``flowlib.reinflow``'s branch advantages).  Replaying the same actions after a restore reproduces the
+observations to ~1e-6.
 """
 from __future__ import annotations
 
@@ -71,7 +76,33 @@ def _make_cpu_env(env_id, obs_mode, control_mode, reward_mode, max_episode_steps
     env = gym.make(env_id, obs_mode=obs_mode, control_mode=control_mode, reward_mode=reward_mode,
                    sim_backend="physx_cpu", render_mode="rgb_array" if render else None,
                    max_episode_steps=max_episode_steps)
-    return CPUGymWrapper(env, ignore_terminations=True)
+    return _restorable_wrapper()(CPUGymWrapper(env, ignore_terminations=True))
+
+
+@functools.cache
+def _restorable_wrapper():
+    import gymnasium as gym
+
+    class _Restorable(gym.Wrapper):
+        """Outermost wrapper of a CPU worker's env: ``snapshot()`` returns the simulator state (ManiSkill's
+        ``get_state_dict``) with the env's step count; assigning ``restore_to`` puts one back (an attribute,
+        so that gymnasium's ``set_attr`` can send each worker its own state)."""
+
+        def snapshot(self):
+            base = self.env.unwrapped
+            return {"sim": base.get_state_dict(), "elapsed": base._elapsed_steps.clone()}
+
+        @property
+        def restore_to(self):
+            return None
+
+        @restore_to.setter
+        def restore_to(self, state):
+            base = self.env.unwrapped
+            base.set_state_dict(state["sim"])
+            base._elapsed_steps[:] = state["elapsed"]
+
+    return _Restorable
 
 
 @functools.cache
@@ -163,6 +194,22 @@ class ManiSkillVecEnv:
         success = info.get("success", np.zeros(self.num_envs, dtype=bool))
         return (self._tensor(obs).reshape(self.num_envs, -1), self._tensor(reward), self._tensor(terminated, torch.bool),
                 self._tensor(truncated, torch.bool), self._tensor(success, torch.bool))
+
+    def snapshot(self) -> list:
+        """Every env's simulator state and step count, to hand to ``restore`` (``physx_cpu`` only)."""
+        self._check_restorable()
+        return list(self.env.call("snapshot"))
+
+    def restore(self, states: list) -> None:
+        """Put every env back to ``states`` (from ``snapshot``); the next ``step`` continues from there."""
+        self._check_restorable()
+        if len(states) != self.num_envs:
+            raise ValueError(f"restore needs {self.num_envs} states (one per env), got {len(states)}")
+        self.env.set_attr("restore_to", list(states))
+
+    def _check_restorable(self) -> None:
+        if self.backend != "physx_cpu":
+            raise ValueError(f"snapshot / restore need backend physx_cpu (one env per process), not {self.backend}")
 
     def render(self) -> np.ndarray:
         """RGB frames ``[N, H, W, 3]`` (uint8); needs ``render=True``."""

@@ -8,9 +8,11 @@ Each checkpoint (stage 1 or 2 ``best_model.pt``, stage 3 ``last.pt`` / ``best_mo
 deterministic policy on episodes ``seed .. seed + episodes - 1``.  Episode ``i``'s env seed and policy
 noise both come from ``seed + i`` (``flowlib.bc.evaluate``), so every checkpoint meets the same
 episodes whatever ``--num-envs`` is, and each one's gain over the first is a paired difference
-(``flowlib.metrics.success_rates``).  ``--act-horizon`` re-runs each checkpoint executing that many
-actions of every chunk (re-planning more or less often than it was trained to; rows ``<label>@ah<n>``).  Writes ``results.csv`` (one row per checkpoint),
-``per_episode.csv`` and ``summary.json`` under ``outputs/evaluate/<run_name>/``.
+(``flowlib.metrics.success_rates``); so is its gain in return, the env's normalized dense reward summed
+over the episode (``return_diff``, ``flowlib.metrics.paired_means``).  ``--act-horizon`` re-runs each
+checkpoint executing that many actions of every chunk (re-planning more or less often than it was trained
+to; rows ``<label>@ah<n>``).  Writes ``results.csv`` (one row per checkpoint), ``per_episode.csv``
+(success), ``per_episode_return.csv`` and ``summary.json`` under ``outputs/evaluate/<run_name>/``.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from tqdm.auto import tqdm
 
 from . import bc, reinflow
 from .envs import make_env
-from .metrics import success_rates
+from .metrics import paired_means, success_rates
 from .runs import run_dir, save_json, save_text
 
 
@@ -89,14 +91,18 @@ def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, 
 
 def write_report(run_path: Path, results: dict[str, dict], seed: int) -> list[dict]:
     rows = success_rates({name: r["per_episode_success_once"] for name, r in results.items()})
-    for row in rows:
+    returns = paired_means({name: r["per_episode_return"] for name, r in results.items()})
+    for row, ret in zip(rows, returns):
         row["success_at_end"] = results[row["policy"]]["success_at_end"]
-        row["return"] = results[row["policy"]]["return"]
+        row.update({"return": ret["mean"], "return_diff": ret["diff"], "return_diff_se": ret["diff_se"]})
         row["act_horizon"] = results[row["policy"]]["act_horizon"]
     per_episode = pd.DataFrame({name: r["per_episode_success_once"] for name, r in results.items()}).astype(int)
     per_episode.insert(0, "env_seed", seed + per_episode.index)
+    per_episode_return = pd.DataFrame({name: r["per_episode_return"] for name, r in results.items()})
+    per_episode_return.insert(0, "env_seed", seed + per_episode_return.index)
     save_text(run_path / "results.csv", pd.DataFrame(rows).to_csv(index=False))
     save_text(run_path / "per_episode.csv", per_episode.to_csv(index=False))
+    save_text(run_path / "per_episode_return.csv", per_episode_return.to_csv(index=False))
     save_json(run_path / "summary.json", {"seed": seed, "rows": rows})
     return rows
 

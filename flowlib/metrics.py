@@ -1,4 +1,4 @@
-"""Distances between sample sets; success rates with standard errors."""
+"""Distances between sample sets; success rates and other per-episode means with paired standard errors."""
 from __future__ import annotations
 
 import numpy as np
@@ -39,28 +39,35 @@ def _quantiles(sorted_cols: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return sorted_cols[lo] * (1 - frac) + sorted_cols[hi] * frac
 
 
-def success_rates(per_episode: dict[str, list[bool]]) -> list[dict[str, float | str | int]]:
-    """Success rate and its standard error per policy, and each one's paired difference from the first.
+def paired_means(per_episode: dict[str, list[float]]) -> list[dict[str, float | str | int]]:
+    """Mean and its standard error per policy, and each one's paired difference from the first.
 
     All policies must have run the same episodes (same env seeds and policy noise, as
-    ``flowlib.bc.evaluate`` arranges).  Rate ``p`` has the binomial SE ``sqrt(p (1 - p) / n)``; the
-    difference from the first policy is the mean of the per-episode differences ``d_i = x_i - r_i``,
-    with SE ``std(d, ddof=1) / sqrt(n)``: pairing removes the episodes both solve or both fail, so it
-    is tighter than comparing two independent rates.
+    ``flowlib.bc.evaluate`` arranges).  The mean has SE ``std(x, ddof=1) / sqrt(n)``; the difference from
+    the first policy is the mean of the per-episode differences ``d_i = x_i - r_i``, with SE
+    ``std(d, ddof=1) / sqrt(n)``: pairing removes what both policies share on an episode (its start, its
+    noise), so it is tighter than comparing two independent means.
     """
     names = list(per_episode)
     if not names:
-        raise ValueError("success_rates needs at least one policy")
+        raise ValueError("paired means need at least one policy")
     table = {name: np.asarray(per_episode[name], dtype=float) for name in names}
     n = len(table[names[0]])
     if n < 2 or any(len(x) != n for x in table.values()):
         raise ValueError(f"every policy needs the same >= 2 episodes, got {[len(x) for x in table.values()]}; "
                          "evaluate them all with the same num_episodes and seed")
     ref = table[names[0]]
+    return [{"policy": name, "episodes": n, "mean": float(x.mean()), "se": float(x.std(ddof=1) / np.sqrt(n)),
+             "diff": float((x - ref).mean()), "diff_se": float((x - ref).std(ddof=1) / np.sqrt(n))}
+            for name, x in table.items()]
+
+
+def success_rates(per_episode: dict[str, list[bool]]) -> list[dict[str, float | str | int]]:
+    """Success rate and its standard error per policy, and each one's paired difference from the first
+    (``paired_means``).  Rate ``p`` has the binomial SE ``sqrt(p (1 - p) / n)``."""
     rows = []
-    for name, x in table.items():
-        d = x - ref
-        p = float(x.mean())
-        rows.append({"policy": name, "episodes": n, "success": p, "se": float(np.sqrt(p * (1 - p) / n)),
-                     "diff": float(d.mean()), "diff_se": float(d.std(ddof=1) / np.sqrt(n))})
+    for row in paired_means(per_episode):
+        p, n = row["mean"], row["episodes"]
+        rows.append({"policy": row["policy"], "episodes": n, "success": p, "se": float(np.sqrt(p * (1 - p) / n)),
+                     "diff": row["diff"], "diff_se": row["diff_se"]})
     return rows

@@ -9,6 +9,10 @@ Advantage estimators (all over chunk decisions, time-major ``[T, N]``, semi-MDP 
 - ``grpo``: group-relative advantages (Shao et al. 2024, DeepSeekMath Eq. 3, outcome supervision): the
   episodes of a group start from the same env seed, and an episode's advantage is its return minus the
   group mean, over the group std.  No critic is needed.
+- ``branch``: several chains tried from one saved env state (the "vine" of Schulman et al. 2015, TRPO
+  Sec. 5.2): each branch's one-decision return ``Q_m = R_m + gamma^tau V(s'_m)`` minus the mean of the
+  other branches' (the leave-one-out baseline of Kool et al. 2019, "Buy 4 REINFORCE samples").  What all
+  branches share cancels: ``V(s)`` and its error, the episode's past and (by the envs' determinism) its physics.
 
 Losses: the clipped surrogate (Schulman et al. 2017, Eq. 7) with the dual clip of Ye et al. 2020 (Eq. 5:
 for ``A < 0`` the loss is at most ``-c A``, ``c > 1``), a value loss that is squared or Huber and optionally
@@ -26,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-ESTIMATORS = ("gae", "mc", "nstep", "grpo")
+ESTIMATORS = ("gae", "mc", "nstep", "grpo", "branch")
 
 
 # --------------------------------------------------------------------------- advantages
@@ -102,6 +106,16 @@ def nstep_returns(rewards: torch.Tensor, next_values: torch.Tensor, discounts: t
             disc = disc_next
         out[t] = acc
     return out
+
+
+def branch_advantages(q: torch.Tensor) -> torch.Tensor:
+    """Leave-one-out advantages over branches, ``A_m = Q_m - mean_{j != m} Q_j``; ``q [M, ...]`` with
+    ``M >= 2`` branches from the same state (Kool et al. 2019's leave-one-out baseline).
+    Unbiased: the baseline of branch ``m`` does not depend on branch ``m``'s action."""
+    M = q.shape[0]
+    if M < 2:
+        raise ValueError(f"branch advantages need >= 2 branches per state, got {M}")
+    return (q - (q.sum(0, keepdim=True) - q) / (M - 1))
 
 
 def grpo_advantages(scores: torch.Tensor, groups: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

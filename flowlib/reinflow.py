@@ -425,6 +425,11 @@ class RolloutBuffer:
         if cfg.advantage == "gae":
             return ppo.gae(self.rewards, self.values, self.next_values, self.discounts, self.terminal, self.ends,
                            cfg.gae_lambda)
+        if cfg.advantage == "branch":  # [T, M*N]: Q_m = R_m + gamma^tau V(s'_m), leave-one-out over the M branches
+            q = self.rewards + self.discounts * (~self.terminal) * self.next_values
+            T, M = q.shape[0], cfg.branches
+            adv = ppo.branch_advantages(q.reshape(T, M, -1).transpose(0, 1)).transpose(0, 1).reshape(T, -1)
+            return adv, q
         if cfg.advantage == "nstep":
             returns = ppo.nstep_returns(*args, cfg.n_step)
             return returns - self.values, returns
@@ -453,7 +458,8 @@ class ReinFlowConfig:
     num_envs: int = 2
     max_episode_steps: int = 100
     backend: str = "auto"
-    reward: str = "sparse"              # "sparse": 1 on success, which terminates; "dense": normalized_dense
+    reward: str = "sparse"              # "sparse": 1 on success, which terminates; "dense": normalized_dense;
+                                        # "shaped": sparse + gamma * phi(s') - phi(s), phi = normalized_dense
     reward_scale: float = 1.0           # learning sees reward_scale * r (value targets of O(1)); logged returns are raw
     # the denoising MDP
     num_inference_steps: int = 8        # K
@@ -478,10 +484,11 @@ class ReinFlowConfig:
     update_epochs: int = 2
     minibatch_size: int = 16
     gamma: float = 0.99
-    advantage: str = "gae"              # gae / mc / nstep / grpo (flowlib.ppo)
+    advantage: str = "gae"              # gae / mc / nstep / grpo / branch (flowlib.ppo)
     gae_lambda: float = 0.95
     n_step: int = 5                     # decisions, for advantage = "nstep"
     group_size: int = 2                 # envs per GRPO group (same env seed); num_envs must be a multiple
+    branches: int = 1                   # chains tried per decision from one env state (advantage "branch"; physx_cpu)
     clip_coef: float = 0.2
     dual_clip: float = 0.0              # c > 1 caps the loss of negative-advantage samples at -c A; 0 = off
     value_clip: float = 0.0             # 0: unclipped value loss
@@ -515,7 +522,7 @@ class ReinFlowConfig:
 
     def __post_init__(self):
         require([
-            (self.reward in ("sparse", "dense"), f"reward must be 'sparse' or 'dense', got {self.reward!r}"),
+            (self.reward in REWARDS, f"reward must be one of {REWARDS}, got {self.reward!r}"),
             (self.reward_scale > 0, f"reward_scale must be > 0, got {self.reward_scale}"),
             (self.obs_clip >= 0, f"obs_clip must be >= 0 (0: no clipping), got {self.obs_clip}"),
             (0 <= self.noise_corr < 1, f"noise_corr must be in [0, 1) (0: independent), got {self.noise_corr}"),
@@ -542,6 +549,9 @@ class ReinFlowConfig:
             (self.advantage in ppo.ESTIMATORS, f"advantage must be one of {ppo.ESTIMATORS}, got {self.advantage!r}"),
             (self.n_step >= 1, "n_step must be >= 1"),
             (self.group_size >= 2, "group_size must be >= 2 (a group of one has no baseline)"),
+            ((self.advantage == "branch") == (self.branches >= 2),
+             f"advantage 'branch' goes with branches >= 2 and branches >= 2 with advantage 'branch' "
+             f"(got advantage {self.advantage!r}, branches {self.branches}): set both"),
             (self.advantage != "grpo" or self.num_envs % self.group_size == 0,
              f"advantage 'grpo' needs num_envs ({self.num_envs}) to be a multiple of group_size ({self.group_size})"),
             (self.dual_clip == 0 or self.dual_clip > 1, "dual_clip must be 0 (off) or > 1"),
@@ -555,12 +565,22 @@ class ReinFlowConfig:
 # --------------------------------------------------------------------------- rollouts
 
 
+REWARDS = ("sparse", "dense", "shaped")
+
+
 class ChunkRunner:
     """Steps ``N`` envs one chunk decision at a time and keeps what persists across iterations:
     the observation windows ``[N, To, O]``, per-episode return / success / length, and the next
-    episode seed.  Episodes end on termination (success, with ``reward="sparse"``) or at the time
-    limit; an ended env is reset alone (``env.reset_some``) with the next training seed.  The
+    episode seed.  Episodes end on termination (success, with ``reward="sparse"`` or ``"shaped"``) or at
+    the time limit; an ended env is reset alone (``env.reset_some``) with the next training seed.  The
     decisions' rewards are scaled by ``reward_scale``; the episode returns it logs are not.
+
+    Rewards per env step: ``"sparse"`` is 1 on success (which ends the episode); ``"dense"`` is the env's
+    ``normalized_dense`` reward (ManiSkill's, with success worth 1 per step and no termination); ``"shaped"``
+    is the sparse reward plus ``gamma * phi(s') - phi(s)`` with the potential ``phi`` = the normalized dense
+    reward of the state reached (0 at the episode's start and at success): Ng et al. 1999, Thm. 1, so the
+    policies that maximise it are those that maximise the sparse one, with the dense reward's guidance.
+    The logged return of ``"shaped"`` is its sparse part (1 if the episode succeeded).
     """
 
     def __init__(self, env, obs_horizon: int, gamma: float, reward: str = "sparse", first_seed: int = 2_000_000,
@@ -577,6 +597,7 @@ class ChunkRunner:
         self.finished: list[dict] = []  # episodes ended since the last ``pop_finished``
         self.env_steps = 0  # simulator steps, summed over envs
         self.active = torch.ones(N, dtype=torch.bool)  # False: the episode ended and the env waits (no auto-reset)
+        self.phi = torch.zeros(N)  # potential of the current state (reward "shaped")
 
     def restart(self, seeds: list[int] | None = None) -> None:
         """Reset every env, with fresh seeds or with ``seeds`` (one per env); episodes in flight are dropped."""
@@ -585,7 +606,7 @@ class ChunkRunner:
             seeds, self.next_seed = list(range(self.next_seed, self.next_seed + N)), self.next_seed + N
         obs = self.env.reset(seed=list(seeds)).cpu()
         self.window = obs[:, None].repeat(1, self.obs_horizon, 1)
-        self.ep_return.zero_(), self.ep_success.zero_(), self.ep_length.zero_()
+        self.ep_return.zero_(), self.ep_success.zero_(), self.ep_length.zero_(), self.phi.zero_()
         self.active.fill_(True)
 
     def step_chunk(self, actions: torch.Tensor, auto_reset: bool = True) -> dict[str, torch.Tensor]:
@@ -602,9 +623,8 @@ class ChunkRunner:
         window = self.window.clone()
         for k in range(Ta):
             obs, r, term, trunc, success = (x.cpu() for x in self.env.step(actions[:, k].to(self.env.device)))
-            r = success.float() if self.reward == "sparse" else r
-            term = success if self.reward == "sparse" else term
-            reward += alive * discount * r * self.reward_scale
+            r, term, shaping = self._reward(r, term, success, alive)
+            reward += alive * discount * (r + shaping) * self.reward_scale
             self.ep_return += alive * r
             self.ep_success |= alive & success
             self.ep_length += alive.long()
@@ -631,8 +651,41 @@ class ChunkRunner:
                 seeds[i], self.next_seed = self.next_seed, self.next_seed + 1
             obs = self.env.reset_some(end, seeds).cpu()
             self.window[end] = obs[end][:, None].repeat(1, self.obs_horizon, 1)
-            self.ep_return[end], self.ep_success[end], self.ep_length[end] = 0.0, False, 0
+            self.ep_return[end], self.ep_success[end], self.ep_length[end], self.phi[end] = 0.0, False, 0, 0.0
         return out
+
+    def _reward(self, r: torch.Tensor, term: torch.Tensor, success: torch.Tensor, alive: torch.Tensor):
+        """One env step's ``(task reward, termination, shaping term)`` per env under ``self.reward``."""
+        if self.reward == "dense":
+            return r, term, torch.zeros_like(r)
+        if self.reward == "sparse":
+            return success.float(), success, torch.zeros_like(r)
+        phi = torch.where(success, 0.0, r)  # normalized dense of the state reached; 0 once the episode ends
+        shaping = self.gamma * phi - self.phi
+        self.phi = torch.where(alive, phi, self.phi)
+        return success.float(), success, shaping
+
+    def step_branches(self, actions: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        """Try ``M`` chunks ``actions [M, N, Ta, A]`` from the current state of every env: branch ``m < M-1``
+        runs and is undone (``env.snapshot`` / ``env.restore``: simulator, step count and this runner's
+        episode bookkeeping), and the last branch is the one the episode goes on with (``step_chunk``).
+        Returns ``step_chunk``'s dict per branch; every branch's env steps count."""
+        M = actions.shape[0]
+        if M < 2:
+            raise ValueError(f"step_branches needs >= 2 branches, got {M}")
+        states = self.env.snapshot()
+        kept = (self.window.clone(), self.ep_return.clone(), self.ep_success.clone(), self.ep_length.clone(),
+                self.active.clone(), self.phi.clone(), len(self.finished))
+        outs = []
+        for m in range(M - 1):
+            outs.append(self.step_chunk(actions[m], auto_reset=False))
+            self.env.restore(states)
+            window, ep_return, ep_success, ep_length, active, phi, n_finished = kept
+            self.window, self.active, self.phi = window.clone(), active.clone(), phi.clone()
+            self.ep_return, self.ep_success, self.ep_length = ep_return.clone(), ep_success.clone(), ep_length.clone()
+            del self.finished[n_finished:]
+        outs.append(self.step_chunk(actions[-1]))
+        return outs
 
     def pop_finished(self) -> list[dict]:
         done, self.finished = self.finished, []
@@ -641,13 +694,18 @@ class ChunkRunner:
 
 @torch.no_grad()
 def collect(agent: ReinFlowAgent, runner: ChunkRunner, num_decisions: int,
-            generator: torch.Generator | None = None, auto_reset: bool = True) -> RolloutBuffer:
+            generator: torch.Generator | None = None, auto_reset: bool = True, branches: int = 1) -> RolloutBuffer:
     """``num_decisions`` chunk decisions of every env with the noisy chain (ReinFlow Alg. 1, rollout).
 
     ``V`` is evaluated once per window: the value after a chunk is the next decision's value, except
     in envs that ended and were reset.  The buffer's ``policy_time`` is the policy's share of the wall time.
     With ``auto_reset=False`` (GRPO) an env whose episode ended idles, and its later rows get weight 0.
+    ``branches = M >= 2``: every decision tries ``M`` chains from the same env state (``step_branches``),
+    drawn from one shared ``x_0`` (common random numbers; ``x_0`` is not what the branch advantage scores);
+    the buffer is ``[T, M * N]``, branch ``m`` of env ``i`` in column ``m * N + i``.
     """
+    if branches > 1:
+        return _collect_branches(agent, runner, num_decisions, generator, branches)
     device = next(agent.parameters()).device
     rows, policy_time, value = [], 0.0, None
     for _ in range(num_decisions):
@@ -671,6 +729,32 @@ def collect(agent: ReinFlowAgent, runner: ChunkRunner, num_decisions: int,
                      "rewards": out["reward"], "discounts": out["discount"], "next_values": next_value.cpu(),
                      "terminal": out["terminal"], "ends": out["end"]})
         value = value_after
+    return RolloutBuffer(**{k: torch.stack([r[k] for r in rows]) for k in rows[0]}, policy_time=policy_time)
+
+
+def _collect_branches(agent: ReinFlowAgent, runner: ChunkRunner, num_decisions: int,
+                      generator: torch.Generator | None, M: int) -> RolloutBuffer:
+    device = next(agent.parameters()).device
+    N = runner.env.num_envs
+    rows, policy_time = [], 0.0
+    for _ in range(num_decisions):
+        tp = time.time()
+        window = runner.window.to(device)                                          # [N, To, O]
+        x0 = torch.randn(N, agent.pred_horizon, agent.action_dim, generator=generator).repeat(M, 1, 1)
+        windows = window.repeat(M, 1, 1)                                           # [M*N, To, O]
+        chain, log_prob, stochastic, step_lp = agent.sample(windows, generator, return_steps=True, x0=x0)
+        value = agent.value(window).repeat(M)
+        actions = agent.actions(chain).cpu().reshape(M, N, agent.act_horizon, -1)  # [M, N, Ta, A]
+        policy_time += time.time() - tp
+        outs = runner.step_branches(actions)
+        tp = time.time()
+        out = {k: torch.cat([o[k] for o in outs]) for k in ("reward", "discount", "terminal", "end", "next_window")}
+        next_value = agent.value(out["next_window"].to(device))  # V(s'_m); for an ended env, its last window
+        policy_time += time.time() - tp
+        rows.append({"obs": windows.cpu(), "chains": chain.cpu(), "stochastic": stochastic.cpu(),
+                     "step_log_probs": step_lp.cpu(), "log_probs": log_prob.cpu(), "values": value.cpu(),
+                     "weights": torch.ones(M * N), "rewards": out["reward"], "discounts": out["discount"],
+                     "next_values": next_value.cpu(), "terminal": out["terminal"], "ends": out["end"]})
     return RolloutBuffer(**{k: torch.stack([r[k] for r in rows]) for k in rows[0]}, policy_time=policy_time)
 
 
@@ -785,7 +869,8 @@ def decisions_per_iteration(cfg: ReinFlowConfig, act_horizon: int) -> int:
 
 
 def env_steps_per_iteration(cfg: ReinFlowConfig, num_envs: int, act_horizon: int) -> int:
-    return decisions_per_iteration(cfg, act_horizon) * num_envs * act_horizon
+    """Simulator steps of one iteration's rollout, every branch's included."""
+    return decisions_per_iteration(cfg, act_horizon) * num_envs * act_horizon * cfg.branches
 
 
 def in_critic_warmup(steps_before: int, cfg: ReinFlowConfig) -> bool:
@@ -852,7 +937,8 @@ def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracke
             runner.restart([runner.next_seed + i // G for i in range(env.num_envs)])
             runner.next_seed += env.num_envs // G
         steps_before = runner.env_steps
-        buf = collect(agent, runner, decisions_per_iteration(cfg, agent.act_horizon), gen, auto_reset=not grpo)
+        buf = collect(agent, runner, decisions_per_iteration(cfg, agent.act_horizon), gen, auto_reset=not grpo,
+                      branches=cfg.branches)
         rollout_time = time.time() - t0
         advantages, returns = buf.advantages(cfg)
         warmup = in_critic_warmup(steps_before, cfg)

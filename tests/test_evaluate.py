@@ -1,6 +1,7 @@
 """python -m flowlib.evaluate: checkpoints of any stage on the same held-out episodes."""
 import csv
 
+import pytest
 import torch
 from test_bc import random_episodes, tiny_cfg
 
@@ -21,6 +22,10 @@ def test_two_runs_of_one_policy_score_the_same_episodes(tmp_path, monkeypatch, c
     assert [r["policy"] for r in rows] == ["a/best_model.pt", "b/best_model.pt"]
     assert rows[0]["success"] == rows[1]["success"] and float(rows[1]["diff"]) == 0
     assert (out / "per_episode.csv").read_text().splitlines()[1].startswith("20000,")
+    assert float(rows[1]["return_diff"]) == 0 and float(rows[1]["return_diff_se"]) == 0  # same episodes, same returns
+    returns = list(csv.DictReader(open(out / "per_episode_return.csv")))
+    assert len(returns) == 3
+    assert sum(float(r["a/best_model.pt"]) for r in returns) / 3 == pytest.approx(float(rows[0]["return"]))
     assert "a/best_model.pt" in capsys.readouterr().out
 
 

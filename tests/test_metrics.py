@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from flowlib.metrics import sliced_wasserstein, success_rates
+from flowlib.metrics import paired_means, sliced_wasserstein, success_rates
 from flowlib.toy2d import TARGETS, sample_target
 
 
@@ -59,3 +59,14 @@ def test_success_rates_need_the_same_episodes():
         success_rates({"a": [1, 0, 1], "b": [1, 0]})
     with pytest.raises(ValueError, match="at least one policy"):
         success_rates({})
+
+
+def test_paired_means_cancel_what_the_episodes_share():
+    """Returns that differ a lot between episodes but by a constant 2 between policies: each mean has a large
+    SE, the paired difference is exactly 2 with SE 0."""
+    ref = [10.0, 40.0, 25.0, 5.0]
+    rows = paired_means({"ref": ref, "better": [r + 2 for r in ref]})
+    assert rows[1]["mean"] == pytest.approx(22.0) and rows[1]["se"] > 7
+    assert rows[1]["diff"] == pytest.approx(2.0) and rows[1]["diff_se"] == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="same >= 2 episodes"):
+        paired_means({"a": [1.0, 2.0], "b": [1.0]})

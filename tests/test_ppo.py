@@ -57,6 +57,18 @@ def test_grpo_advantages_have_zero_mean_and_unit_spread_per_group():
     assert adv[0] > 0 > adv[1]
 
 
+def test_branch_advantages_are_leave_one_out_and_cancel_what_the_branches_share():
+    q = torch.tensor([[1.0, 5.0], [3.0, 5.0], [8.0, 2.0]])            # [M = 3 branches, 2 states]
+    adv = ppo.branch_advantages(q)
+    assert torch.allclose(adv[:, 0], torch.tensor([1 - 5.5, 3 - 4.5, 8 - 2.0]))
+    assert torch.allclose(adv[:, 1], torch.tensor([5 - 3.5, 5 - 3.5, 2 - 5.0]))
+    shifted = ppo.branch_advantages(q + torch.tensor([100.0, -7.0]))   # a per-state offset (V(s), its error)
+    assert torch.allclose(shifted, adv)
+    assert torch.allclose(ppo.branch_advantages(q[:2]), torch.tensor([[-2.0, 0.0], [2.0, 0.0]]))
+    with pytest.raises(ValueError, match=">= 2 branches"):
+        ppo.branch_advantages(q[:1])
+
+
 def test_dual_clip_bounds_the_loss_for_negative_advantages():
     ratio = torch.tensor([0.5, 1.0, 2.0, 10.0, 100.0])
     adv = -torch.ones(5)

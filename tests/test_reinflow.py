@@ -237,6 +237,9 @@ def test_config_rejects_bad_values():
         reinflow.ReinFlowConfig(val_seed=20_000 - 10, num_eval_episodes=48)
     with pytest.raises(ValueError, match="act_horizon must be >= 0"):
         reinflow.ReinFlowConfig(act_horizon=-1)
+    for wrong in ({"advantage": "branch"}, {"branches": 2}):  # one without the other
+        with pytest.raises(ValueError, match="advantage 'branch' goes with branches >= 2"):
+            reinflow.ReinFlowConfig(**wrong)
 
 
 def test_observations_far_outside_the_demonstrations_are_clipped_before_the_nets():
@@ -290,7 +293,10 @@ PIRL = {"noise_method": "flow_sde", "hybrid": True, "advantage": "grpo", "ratio_
         "reward": "dense"}  # a random tiny policy never succeeds: with sparse rewards every GRPO advantage is 0
 
 
-@pytest.mark.parametrize("options", [{}, PIRL], ids=["reinflow", "flow_sde_hybrid_grpo"])
+BRANCH = {"advantage": "branch", "branches": 2, "reward": "dense"}
+
+
+@pytest.mark.parametrize("options", [{}, PIRL, BRANCH], ids=["reinflow", "flow_sde_hybrid_grpo", "branch"])
 def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, options):
     eval_seeds = []  # periodic evaluations must use val_seed: eval_seed is kept for the report
     evaluate = bc.evaluate
@@ -300,7 +306,7 @@ def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, 
     bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
     # GRPO runs one 20-step episode per env per iteration: ceil(20 / 4) = 5 decisions of 4 actions
     Ta = options.get("act_horizon", 8)
-    per_iter = (3 if Ta == 8 else 5) * 2 * Ta
+    per_iter = (3 if Ta == 8 else 5) * 2 * Ta * options.get("branches", 1)  # every branch's env steps count
     cfg = reinflow.ReinFlowConfig(init_checkpoint=str(path), num_inference_steps=4, rollout_steps=3, update_epochs=2,
                                   minibatch_size=4, total_env_steps=2 * per_iter, critic_warmup_steps=0,
                                   max_episode_steps=20, eval_every=1, num_eval_episodes=2, value_hidden_dims=[16],
@@ -358,6 +364,32 @@ def test_an_episode_ending_inside_a_chunk_is_handled_with_one_env_and_with_sever
         assert not third["end"].any()
 
 
+def test_branches_start_from_one_state_and_the_episode_goes_on_with_the_last():
+    """Three chunks tried from one state (the first two alike); the 12-step time limit falls inside each.
+    Alike branches give alike results, the episode's bookkeeping follows only the last branch, and that
+    branch equals a run that never branched (restoring the simulator state is exact to ~1e-4)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.rand(2, 8, ACT_DIM, generator=g) * 2 - 1 for _ in range(2))
+    with make_env("PickCube-v1", 2, max_episode_steps=12) as env:
+        runner = reinflow.ChunkRunner(env, obs_horizon=2, gamma=0.9, reward="dense", first_seed=7)
+        runner.step_chunk(torch.zeros(2, 8, ACT_DIM))
+        outs = runner.step_branches(torch.stack([a, a, b]))
+        window, finished, steps = runner.window.clone(), runner.pop_finished(), runner.env_steps
+        plain = reinflow.ChunkRunner(env, obs_horizon=2, gamma=0.9, reward="dense", first_seed=7)
+        plain.step_chunk(torch.zeros(2, 8, ACT_DIM))
+        straight = plain.step_chunk(b)
+        again = plain.pop_finished()  # the same two episodes, recorded once
+    assert [e["length"] for e in again] == [e["length"] for e in finished] == [12, 12]
+    assert [e["return"] for e in again] == pytest.approx([e["return"] for e in finished], abs=1e-3)
+    for key in ("reward", "next_window"):
+        assert torch.allclose(outs[0][key], outs[1][key], atol=1e-4)
+        assert torch.allclose(outs[2][key], straight[key], atol=1e-4)
+    assert not torch.allclose(outs[0]["reward"], outs[2]["reward"], atol=1e-3)
+    assert all(o["end"].all() and not o["terminal"].any() for o in outs)  # truncated at step 12, each branch
+    assert len(finished) == 2 and steps == 2 * 8 + 3 * 2 * 8  # every branch's simulator steps count
+    assert torch.allclose(window, plain.window, atol=1e-4)  # reset envs: the next seeds' first windows
+
+
 def test_reward_scale_scales_what_learning_sees_and_not_the_logged_return():
     with make_env("PickCube-v1", 1, max_episode_steps=8) as env:
         out = []
@@ -370,6 +402,25 @@ def test_reward_scale_scales_what_learning_sees_and_not_the_logged_return():
     assert ret1 == pytest.approx(ret01) and ret1 > r1.item()  # undiscounted, unscaled episode return
     with pytest.raises(ValueError, match="reward_scale"):
         reinflow.ReinFlowConfig(reward_scale=0.0)
+
+
+def test_shaped_reward_telescopes_to_the_potential_reached():
+    """Reward "shaped" adds gamma phi(s') - phi(s) per step with phi_0 = 0: over an 8-step chunk without
+    success the discounted sum is gamma^8 phi(s_8), phi = the dense reward of the last step; the logged
+    return is the sparse part (0).  Zero actions never succeed."""
+    gamma, steps = 0.9, 8
+    with make_env("PickCube-v1", 1, max_episode_steps=steps) as env:
+        dense = reinflow.ChunkRunner(env, obs_horizon=2, gamma=gamma, reward="dense", first_seed=5)
+        per_step = [dense.step_chunk(torch.zeros(1, 1, ACT_DIM))["reward"].item() for _ in range(steps)]
+        shaped = reinflow.ChunkRunner(env, obs_horizon=2, gamma=gamma, reward="shaped", first_seed=5)
+        out = shaped.step_chunk(torch.zeros(1, steps, ACT_DIM))
+        finished = shaped.pop_finished()
+    assert per_step[-1] > 0.01
+    assert out["reward"].item() == pytest.approx(gamma ** steps * per_step[-1], rel=1e-4)
+    assert out["end"].all() and not out["terminal"].any()
+    assert finished[0]["return"] == 0.0 and shaped.phi.item() == 0.0  # reset with the episode
+    with pytest.raises(ValueError, match="reward must be one of"):
+        reinflow.ReinFlowConfig(reward="shaping")
 
 
 @pytest.mark.parametrize("per_iteration, counts", [(4096, [0, 1, 1, 2, 3]), (16384, [0, 1, 1, 1, 1])])
