@@ -140,6 +140,7 @@ advantage = "gae"
 gae_lambda = 0.95
 n_step = 5
 group_size = 2
+branches = 1
 clip_coef = 0.2
 dual_clip = 0.0
 value_clip = 0.0
