@@ -81,7 +81,8 @@ def main(argv=None) -> None:
     values = torch.cat([b.values.flatten() for b, _, _ in pool])
     ev = ppo.explained_variance(values, torch.cat([r.flatten() for _, _, r in pool]))
 
-    C = T * cfg.branches  # chunks executed per unit: with branches, every try of a decision costs its env steps
+    M = cfg.branches
+    C = T * M  # chunks executed per unit: with branches, every try of a decision costs its env steps
     # --- one gradient per unit; Gram matrices per module of the velocity net and for the noise net
     parts = {f"velocity.{name}": list(m.parameters()) for name, m in agent.actor.base.named_children()}
     parts = {name: params for name, params in parts.items() if params}
@@ -89,7 +90,6 @@ def main(argv=None) -> None:
     counts = {name: sum(p.numel() for p in params) for name, params in parts.items()}
     rows = {k: [] for k in parts}
     t1 = time.time()
-    M = cfg.branches
     for r, (buf, _, _) in enumerate(tqdm(pool, desc="gradients", mininterval=10)):
         for i in range(args.num_envs):
             cols = [i + m * args.num_envs for m in range(M)]  # env i and its branches (column m * N + i)
@@ -109,7 +109,7 @@ def main(argv=None) -> None:
 
     result = {"checkpoint": args.checkpoint, "env_steps": ckpt["env_steps"], "max_noise_std": std, "K": agent.K,
               "overrides": overrides, "units": len(pool) * args.num_envs, "decisions_per_unit": C,
-              "branches": cfg.branches, "decisions": len(pool) * args.num_envs * C, "explained_variance": ev, "rollout_s": rollout_s,
+              "branches": M, "decisions": len(pool) * args.num_envs * C, "explained_variance": ev, "rollout_s": rollout_s,
               "gradient_s": grad_s, "episodes": len(episodes),
               "train_success_once": sum(e["success_once"] for e in episodes) / max(len(episodes), 1)}
     print(f"{result['decisions']} decisions ({result['units']} units of {C}) in {rollout_s:.0f} s; "

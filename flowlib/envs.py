@@ -13,7 +13,7 @@ there is no auto-reset: call ``reset`` to start the next batch of episodes.
 On ``physx_cpu`` the envs can also go back in time: ``snapshot()`` saves every env's simulator state
 (and its step count), ``restore(states)`` puts it back, so several actions can be tried from one state
 (``flowlib.reinflow``'s branch advantages).  Replaying the same actions after a restore reproduces the
-observations to ~1e-6.
+observations to ~1e-4 (3e-6 to 8e-5 measured over 8-10 actions).
 """
 from __future__ import annotations
 

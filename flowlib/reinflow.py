@@ -674,15 +674,14 @@ class ChunkRunner:
         if M < 2:
             raise ValueError(f"step_branches needs >= 2 branches, got {M}")
         states = self.env.snapshot()
-        kept = (self.window.clone(), self.ep_return.clone(), self.ep_success.clone(), self.ep_length.clone(),
-                self.active.clone(), self.phi.clone(), len(self.finished))
+        kept = ("window", "ep_return", "ep_success", "ep_length", "active", "phi")
+        saved, n_finished = {k: getattr(self, k).clone() for k in kept}, len(self.finished)
         outs = []
         for m in range(M - 1):
             outs.append(self.step_chunk(actions[m], auto_reset=False))
             self.env.restore(states)
-            window, ep_return, ep_success, ep_length, active, phi, n_finished = kept
-            self.window, self.active, self.phi = window.clone(), active.clone(), phi.clone()
-            self.ep_return, self.ep_success, self.ep_length = ep_return.clone(), ep_success.clone(), ep_length.clone()
+            for k in kept:
+                setattr(self, k, saved[k].clone())
             del self.finished[n_finished:]
         outs.append(self.step_chunk(actions[-1]))
         return outs
@@ -724,12 +723,16 @@ def collect(agent: ReinFlowAgent, runner: ChunkRunner, num_decisions: int,
             end = out["end"].to(device)
             value_after[end] = agent.value(runner.window.to(device)[end])  # the reset envs' first windows
         policy_time += time.time() - tp
-        rows.append({"obs": window.cpu(), "chains": chain.cpu(), "stochastic": stochastic.cpu(),
-                     "step_log_probs": step_lp.cpu(), "log_probs": log_prob.cpu(), "values": value.cpu(), "weights": weight,
-                     "rewards": out["reward"], "discounts": out["discount"], "next_values": next_value.cpu(),
-                     "terminal": out["terminal"], "ends": out["end"]})
+        rows.append(_row(window, chain, stochastic, step_lp, log_prob, value, weight, out, next_value))
         value = value_after
     return RolloutBuffer(**{k: torch.stack([r[k] for r in rows]) for k in rows[0]}, policy_time=policy_time)
+
+
+def _row(window, chain, stochastic, step_lp, log_prob, value, weight, out, next_value) -> dict[str, torch.Tensor]:
+    """One decision's row of a ``RolloutBuffer`` (on the CPU), from the sample and ``step_chunk``'s ``out``."""
+    return {"obs": window.cpu(), "chains": chain.cpu(), "stochastic": stochastic.cpu(), "step_log_probs": step_lp.cpu(),
+            "log_probs": log_prob.cpu(), "values": value.cpu(), "weights": weight, "rewards": out["reward"],
+            "discounts": out["discount"], "next_values": next_value.cpu(), "terminal": out["terminal"], "ends": out["end"]}
 
 
 def _collect_branches(agent: ReinFlowAgent, runner: ChunkRunner, num_decisions: int,
@@ -751,10 +754,7 @@ def _collect_branches(agent: ReinFlowAgent, runner: ChunkRunner, num_decisions: 
         out = {k: torch.cat([o[k] for o in outs]) for k in ("reward", "discount", "terminal", "end", "next_window")}
         next_value = agent.value(out["next_window"].to(device))  # V(s'_m); for an ended env, its last window
         policy_time += time.time() - tp
-        rows.append({"obs": windows.cpu(), "chains": chain.cpu(), "stochastic": stochastic.cpu(),
-                     "step_log_probs": step_lp.cpu(), "log_probs": log_prob.cpu(), "values": value.cpu(),
-                     "weights": torch.ones(M * N), "rewards": out["reward"], "discounts": out["discount"],
-                     "next_values": next_value.cpu(), "terminal": out["terminal"], "ends": out["end"]})
+        rows.append(_row(windows, chain, stochastic, step_lp, log_prob, value, torch.ones(M * N), out, next_value))
     return RolloutBuffer(**{k: torch.stack([r[k] for r in rows]) for k in rows[0]}, policy_time=policy_time)
 
 
