@@ -189,7 +189,9 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
 
     ``target_kl`` early stop: once a minibatch's approx KL exceeds it, ``cfg.kl_stop = "all"`` ends the
     update (CleanRL), ``"policy"`` freezes the policy and fits the value for the remaining epochs, so a
-    critic still catching up is not starved by a policy that moves fast.
+    critic still catching up is not starved by a policy that moves fast.  ``cfg.policy_epochs`` (``E_pi``;
+    0 = every epoch) trains the policy in the first ``E_pi`` epochs only, so each sample moves it once while
+    the value fits all ``update_epochs`` (``E_V``): the split of Phasic Policy Gradient (Cobbe et al. 2021).
     """
     device = next(agent.parameters()).device
     batch = {k: v.to(device) for k, v in batch.items()}
@@ -201,8 +203,10 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
         std = _masked_mean((adv_all - mean) ** 2, weights).sqrt()
         adv_all = (adv_all - mean) / (std + 1e-8)
     stats: dict[str, list[float]] = {k: [] for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac")}
-    first, stopped_early, epoch = True, False, 0
+    first, stopped_early, epoch, policy_steps = True, False, 0, 0
+    policy_epochs = cfg.policy_epochs or cfg.update_epochs
     for epoch in range(cfg.update_epochs):
+        train_policy_now = train_policy and epoch < policy_epochs
         perm = torch.randperm(n, generator=generator).to(device)
         for start in range(0, n, cfg.minibatch_size):
             idx = perm[start:start + cfg.minibatch_size]
@@ -213,7 +217,7 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
             v_loss = _masked_mean(value_loss(value, batch["values"][idx], batch["returns"][idx], cfg.value_clip,
                                              cfg.huber_delta), w)
             loss = cfg.vf_coef * v_loss
-            if train_policy and not stopped_early:
+            if train_policy_now and not stopped_early:
                 stoch = batch["stochastic"][idx]
                 step_lp, entropy = agent.step_log_probs(batch["obs"][idx], batch["chains"][idx], stoch)
                 adv = adv_all[idx]
@@ -248,9 +252,10 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
             loss.backward()
             nn.utils.clip_grad_norm_(agent.value_parameters(), cfg.max_grad_norm)
             critic_opt.step()
-            if train_policy and not stopped_early:
+            if train_policy_now and not stopped_early:
                 nn.utils.clip_grad_norm_(agent.policy_parameters(), cfg.max_grad_norm)
                 actor_opt.step()
+                policy_steps += 1
                 if cfg.target_kl and stats["approx_kl"][-1] > cfg.target_kl:
                     stopped_early = True
                     if cfg.kl_stop == "all":
@@ -259,6 +264,7 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
             break
     out = {k: float(sum(v) / len(v)) for k, v in stats.items() if v}
     out["epochs"] = epoch + 1
+    out["policy_steps"] = policy_steps  # optimiser steps of the policy (target_kl and policy_epochs cut them)
     out["kl_early_stop"] = float(stopped_early)
     return out
 

@@ -461,6 +461,8 @@ class ReinFlowConfig:
     reward: str = "sparse"              # "sparse": 1 on success, which terminates; "dense": normalized_dense;
                                         # "shaped": sparse + gamma * phi(s') - phi(s), phi = normalized_dense
     reward_scale: float = 1.0           # learning sees reward_scale * r (value targets of O(1)); logged returns are raw
+    success_bonus: float = 0.0          # reward "dense": learning adds this per step while the task is solved
+                                        # (dense pays a near-miss 0.5-0.8 per step, a success 1); not logged
     # the denoising MDP
     num_inference_steps: int = 8        # K
     min_noise_std: float = 0.01
@@ -482,6 +484,7 @@ class ReinFlowConfig:
     total_env_steps: int = 512
     rollout_steps: int = 8              # decisions per env per iteration
     update_epochs: int = 2
+    policy_epochs: int = 0              # epochs of each update that train the policy (0: all); the value fits all
     minibatch_size: int = 16
     gamma: float = 0.99
     advantage: str = "gae"              # gae / mc / nstep / grpo / branch (flowlib.ppo)
@@ -496,6 +499,7 @@ class ReinFlowConfig:
     ent_coef: float = 0.01
     vf_coef: float = 0.5
     actor_lr: float = 3e-5
+    actor_optimizer: str = "adam"       # "adam", or "sgd": steps along the (norm-clipped) gradient itself
     critic_lr: float = 1e-4
     max_grad_norm: float = 1.0
     target_kl: float = 0.0              # 0: no early stop
@@ -524,6 +528,10 @@ class ReinFlowConfig:
         require([
             (self.reward in REWARDS, f"reward must be one of {REWARDS}, got {self.reward!r}"),
             (self.reward_scale > 0, f"reward_scale must be > 0, got {self.reward_scale}"),
+            (self.success_bonus >= 0, f"success_bonus must be >= 0, got {self.success_bonus}"),
+            (self.success_bonus == 0 or self.reward == "dense",
+             f"success_bonus ({self.success_bonus}) applies to reward 'dense' only (got reward {self.reward!r}): "
+             f"the sparse and shaped rewards already pay a success alone; set success_bonus: 0.0 or reward: dense"),
             (self.obs_clip >= 0, f"obs_clip must be >= 0 (0: no clipping), got {self.obs_clip}"),
             (0 <= self.noise_corr < 1, f"noise_corr must be in [0, 1) (0: independent), got {self.noise_corr}"),
             (self.act_horizon >= 0, f"act_horizon must be >= 0 (0: the checkpoint's own), got {self.act_horizon}"),
@@ -535,9 +543,13 @@ class ReinFlowConfig:
             (self.num_inference_steps >= 1, "num_inference_steps must be >= 1"),
             (self.rollout_steps >= 1 and self.update_epochs >= 1 and self.minibatch_size >= 1,
              "rollout_steps, update_epochs and minibatch_size must be >= 1"),
+            (0 <= self.policy_epochs <= self.update_epochs,
+             f"policy_epochs must be in [0, update_epochs = {self.update_epochs}] (0: all), got {self.policy_epochs}"),
             (0 < self.gamma <= 1 and 0 <= self.gae_lambda <= 1, "need gamma in (0, 1] and gae_lambda in [0, 1]"),
             (self.clip_coef > 0, "clip_coef must be > 0"),
             (self.kl_stop in ("all", "policy"), f"kl_stop must be 'all' or 'policy', got {self.kl_stop!r}"),
+            (self.actor_optimizer in ("adam", "sgd"),
+             f"actor_optimizer must be 'adam' or 'sgd', got {self.actor_optimizer!r}"),
             (self.total_env_steps > 0, "total_env_steps must be > 0"),
             (self.noise_method in METHODS, f"noise_method must be one of {METHODS}, got {self.noise_method!r}"),
             (self.noise_level >= 0, "noise_level must be >= 0"),
@@ -580,13 +592,21 @@ class ChunkRunner:
     is the sparse reward plus ``gamma * phi(s') - phi(s)`` with the potential ``phi`` = the normalized dense
     reward of the state reached (0 at the episode's start and at success): Ng et al. 1999, Thm. 1, so the
     policies that maximise it are those that maximise the sparse one, with the dense reward's guidance.
-    The logged return of ``"shaped"`` is its sparse part (1 if the episode succeeded).
+    The logged return of ``"shaped"`` is its sparse part (1 if the episode succeeded).  ``success_bonus``
+    ``B`` (``"dense"`` only) adds ``B`` to what learning sees at every step whose state counts as solved, so a
+    success is worth ``1 + B`` per step against a near-miss's 0.5-0.8; the logged return stays the env's.
     """
 
+    EPISODE_STATE = ("window", "ep_return", "ep_success", "ep_length", "active", "phi")  # saved with the simulator
+
     def __init__(self, env, obs_horizon: int, gamma: float, reward: str = "sparse", first_seed: int = 2_000_000,
-                 reward_scale: float = 1.0):
+                 reward_scale: float = 1.0, success_bonus: float = 0.0):
+        if reward not in REWARDS:
+            raise ValueError(f"reward must be one of {REWARDS}, got {reward!r}")
+        if success_bonus and reward != "dense":
+            raise ValueError(f"success_bonus applies to reward 'dense' only, got reward {reward!r}")
         self.env, self.obs_horizon, self.gamma, self.reward = env, obs_horizon, gamma, reward
-        self.reward_scale = reward_scale
+        self.reward_scale, self.success_bonus = reward_scale, success_bonus
         N = env.num_envs
         self.next_seed = first_seed + N
         obs = env.reset(seed=first_seed)
@@ -623,8 +643,8 @@ class ChunkRunner:
         window = self.window.clone()
         for k in range(Ta):
             obs, r, term, trunc, success = (x.cpu() for x in self.env.step(actions[:, k].to(self.env.device)))
-            r, term, shaping = self._reward(r, term, success, alive)
-            reward += alive * discount * (r + shaping) * self.reward_scale
+            r, term, extra = self._reward(r, term, success, alive)
+            reward += alive * discount * (r + extra) * self.reward_scale
             self.ep_return += alive * r
             self.ep_success |= alive & success
             self.ep_length += alive.long()
@@ -655,9 +675,10 @@ class ChunkRunner:
         return out
 
     def _reward(self, r: torch.Tensor, term: torch.Tensor, success: torch.Tensor, alive: torch.Tensor):
-        """One env step's ``(task reward, termination, shaping term)`` per env under ``self.reward``."""
+        """One env step's ``(task reward, termination, extra)`` per env under ``self.reward``; ``extra`` is
+        what learning adds to the task reward and the logged return does not (shaping term, success bonus)."""
         if self.reward == "dense":
-            return r, term, torch.zeros_like(r)
+            return r, term, self.success_bonus * success.float()
         if self.reward == "sparse":
             return success.float(), success, torch.zeros_like(r)
         phi = torch.where(success, 0.0, r)  # normalized dense of the state reached; 0 once the episode ends
@@ -674,7 +695,7 @@ class ChunkRunner:
         if M < 2:
             raise ValueError(f"step_branches needs >= 2 branches, got {M}")
         states = self.env.snapshot()
-        kept = ("window", "ep_return", "ep_success", "ep_length", "active", "phi")
+        kept = self.EPISODE_STATE
         saved, n_finished = {k: getattr(self, k).clone() for k in kept}, len(self.finished)
         outs = []
         for m in range(M - 1):
@@ -756,6 +777,25 @@ def _collect_branches(agent: ReinFlowAgent, runner: ChunkRunner, num_decisions: 
         policy_time += time.time() - tp
         rows.append(_row(windows, chain, stochastic, step_lp, log_prob, value, torch.ones(M * N), out, next_value))
     return RolloutBuffer(**{k: torch.stack([r[k] for r in rows]) for k in rows[0]}, policy_time=policy_time)
+
+
+@torch.no_grad()
+def finish_episodes(agent: ReinFlowAgent, runner: ChunkRunner, generator: torch.Generator | None = None
+                    ) -> torch.Tensor:
+    """Monte-Carlo value of each env's current state under the noisy policy: run every active episode to
+    its end (no reset) and return ``G [N]`` = sum_k gamma^k r_k (as learning sees the reward), plus
+    ``gamma^t V(s_t)`` where the time limit ends it, as the critic's targets bootstrap; 0 for an env that
+    has already ended.  ``E[G] = V^pi(s)`` is what the critic estimates (``benchmarks/branch_calibration.py``)."""
+    device = next(agent.parameters()).device
+    total, discount = torch.zeros(runner.env.num_envs), torch.ones(runner.env.num_envs)
+    while runner.active.any():
+        chain = agent.sample(runner.window.to(device), generator)[0]
+        out = runner.step_chunk(agent.actions(chain).cpu(), auto_reset=False)   # ended envs: reward 0, discount 1
+        truncated = out["end"] & ~out["terminal"]
+        tail = torch.where(truncated, agent.value(out["next_window"].to(device)).cpu(), 0.0)
+        total += discount * (out["reward"] + out["discount"] * tail)
+        discount *= out["discount"]
+    return total
 
 
 # --------------------------------------------------------------------------- building, checkpoints, training
@@ -901,7 +941,9 @@ def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracke
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_tf32 = False
     agent.to(device)
-    actor_opt = torch.optim.Adam(agent.policy_parameters(), lr=cfg.actor_lr)
+    # Adam rescales each coordinate by its own gradient noise; SGD keeps the gradient's direction
+    optimizer = torch.optim.Adam if cfg.actor_optimizer == "adam" else torch.optim.SGD
+    actor_opt = optimizer(agent.policy_parameters(), lr=cfg.actor_lr)
     critic_opt = torch.optim.Adam(agent.value_parameters(), lr=cfg.critic_lr)
     per_iter = env_steps_per_iteration(cfg, env.num_envs, agent.act_horizon)
     num_iters = max(1, math.ceil(cfg.total_env_steps / per_iter))
@@ -920,7 +962,7 @@ def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracke
             tracker.rewind(env_steps)
         print(f"resumed from {last} at iteration {start} ({env_steps} env steps)")
     runner = ChunkRunner(env, agent.obs_horizon, cfg.gamma, cfg.reward, first_seed=next_seed,
-                         reward_scale=cfg.reward_scale)
+                         reward_scale=cfg.reward_scale, success_bonus=cfg.success_bonus)
     runner.env_steps = env_steps
     gen = torch.Generator().manual_seed(cfg.seed * 100_003 + start)
     bar = tqdm(total=num_iters, initial=start, desc="ReinFlow", mininterval=10)

@@ -84,6 +84,7 @@
 # $\phi$ (Ng et al. 1999, Thm. 1): the same best policies as the sparse reward, with the dense one's guidance.
 # (Dense returns can rise while success falls: carrying the cube near the goal without succeeding earns
 # 0.5-0.8 per step against success's 1, and a fine-tuned policy learned just that; see the README.)
+# `success_bonus` $B$ (dense only) adds $B$ per solved step to what learning sees, so success earns $1 + B$.
 #
 # **Why it needs many samples.** The gradient is a likelihood-ratio estimate through the noise of every
 # stochastic step: with $K = 4$ and $8 \times 4$ executed dims, one decision's advantage is spread over
@@ -116,6 +117,7 @@ max_episode_steps = 100
 backend = "auto"
 reward = "sparse"
 reward_scale = 1.0
+success_bonus = 0.0
 num_inference_steps = 8
 min_noise_std = 0.01
 max_noise_std = 0.3
@@ -134,6 +136,7 @@ detach_critic_input = True
 total_env_steps = 512
 rollout_steps = 8
 update_epochs = 2
+policy_epochs = 0
 minibatch_size = 16
 gamma = 0.99
 advantage = "gae"
@@ -148,6 +151,7 @@ huber_delta = 0.0
 ent_coef = 0.01
 vf_coef = 0.5
 actor_lr = 3e-05
+actor_optimizer = "adam"
 critic_lr = 0.0001
 max_grad_norm = 1.0
 target_kl = 0.0

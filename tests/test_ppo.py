@@ -196,10 +196,34 @@ def test_kl_stop_policy_freezes_the_policy_where_all_stops_and_keeps_fitting_the
     # the first minibatch has ratio 1 (KL 0); the second one's KL > 1e-12 stops the policy
     assert s_all["kl_early_stop"] == s_pol["kl_early_stop"] == 1.0
     assert s_all["epochs"] == 1 and s_pol["epochs"] == 3
+    assert s_all["policy_steps"] == s_pol["policy_steps"] == 2
     assert all(torch.equal(a, b) for a, b in zip(pol_all, pol_pol))         # same policy steps, then frozen
     assert v_pol < v_all < v0                                                 # 6 value steps beat 2
     with pytest.raises(ValueError, match="kl_stop must be 'all' or 'policy'"):
         reinflow.ReinFlowConfig(kl_stop="value")
+
+
+def test_policy_epochs_moves_the_policy_in_the_first_epochs_only_and_the_value_in_all():
+    """policy_epochs = 1 of 3: the policy ends where a one-epoch update leaves it (same minibatch order),
+    and the value takes all three epochs' steps."""
+    out = {}
+    for epochs, policy_epochs in ((1, 0), (3, 1), (3, 0)):
+        agent, obs = agent_for("reinflow")
+        batch = batch_of(agent, obs)                                          # 6 decisions
+        cfg = reinflow.ReinFlowConfig(minibatch_size=3, update_epochs=epochs, policy_epochs=policy_epochs,
+                                      norm_adv=False)
+        opt_a = torch.optim.SGD(agent.policy_parameters(), 1e-1)
+        opt_c = torch.optim.SGD(agent.value_parameters(), 1e-2)
+        stats = ppo.ppo_update(agent, batch, opt_a, opt_c, cfg, generator=torch.Generator().manual_seed(0))
+        value_loss = torch.nn.functional.mse_loss(agent.value(obs), batch["returns"]).item()
+        out[epochs, policy_epochs] = ([p.detach().clone() for p in agent.policy_parameters()], value_loss)
+        assert stats["policy_steps"] == 2 * (policy_epochs or epochs)  # 2 minibatches per epoch
+    (one, v_one), (split, v_split), (every, _) = out[1, 0], out[3, 1], out[3, 0]
+    assert all(torch.equal(a, b) for a, b in zip(one, split))                # one epoch of policy steps
+    assert not all(torch.equal(a, b) for a, b in zip(one, every))            # three epochs move it further
+    assert v_split < v_one                                                   # 6 value steps beat 2
+    with pytest.raises(ValueError, match="policy_epochs must be in"):
+        reinflow.ReinFlowConfig(update_epochs=2, policy_epochs=3)
 
 
 def test_policy_gradient_is_the_first_ppo_step():

@@ -237,6 +237,8 @@ def test_config_rejects_bad_values():
         reinflow.ReinFlowConfig(val_seed=20_000 - 10, num_eval_episodes=48)
     with pytest.raises(ValueError, match="act_horizon must be >= 0"):
         reinflow.ReinFlowConfig(act_horizon=-1)
+    with pytest.raises(ValueError, match="actor_optimizer must be 'adam' or 'sgd'"):
+        reinflow.ReinFlowConfig(actor_optimizer="rmsprop")
     for wrong in ({"advantage": "branch"}, {"branches": 2}):  # one without the other
         with pytest.raises(ValueError, match="advantage 'branch' goes with branches >= 2"):
             reinflow.ReinFlowConfig(**wrong)
@@ -293,7 +295,8 @@ PIRL = {"noise_method": "flow_sde", "hybrid": True, "advantage": "grpo", "ratio_
         "reward": "dense"}  # a random tiny policy never succeeds: with sparse rewards every GRPO advantage is 0
 
 
-BRANCH = {"advantage": "branch", "branches": 2, "reward": "dense"}
+BRANCH = {"advantage": "branch", "branches": 2, "reward": "dense", "success_bonus": 1.0, "actor_optimizer": "sgd",
+          "policy_epochs": 1}
 
 
 @pytest.mark.parametrize("options", [{}, PIRL, BRANCH], ids=["reinflow", "flow_sde_hybrid_grpo", "branch"])
@@ -326,6 +329,7 @@ def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, 
     assert any(not torch.equal(a, b) for a, b in zip(before, agent.policy_parameters()))
     ckpt = reinflow.read_agent_checkpoint(tmp_path / "run" / "last.pt")
     assert ckpt["iteration"] == 2 and ckpt["env_steps"] == 2 * per_iter
+    assert bool(ckpt["actor_opt"]["state"]) is (cfg.actor_optimizer == "adam")  # plain SGD keeps no moments
     reloaded = reinflow.load_agent(tmp_path / "run" / "last.pt")
     assert reloaded.act_horizon == agent.act_horizon == Ta  # the override travels with the checkpoint
     window = torch.randn(3, 2, OBS_DIM)
@@ -346,6 +350,14 @@ def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, 
         # the velocity net's Gram matrix is the sum of its modules': so are its signal and noise
         for key in ("signal", "noise"):
             assert result["velocity"][key] == pytest.approx(sum(result[m][key] for m in modules), rel=1e-6, abs=1e-9)
+        # the branch-calibration benchmark: 2 branch points x 2 envs, each pair scored by the critic and by
+        # Monte-Carlo rollouts to the episode's end (a branch point after 0 or 1 decisions: every env is live)
+        spec = importlib.util.spec_from_file_location("branch_calibration", REPO / "benchmarks" / "branch_calibration.py")
+        cal = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(cal)
+        out = cal.main([str(tmp_path / "run" / "last.pt"), "--batches", "2", "--num-envs", "2", "--max-skip", "1"])
+        assert out["pairs"] == 4 and out["std_dq"] > 0
+        assert (tmp_path / "outputs" / "benchmarks" / "branch_calibration" / "default.json").exists()
 
 
 @pytest.mark.parametrize("num_envs", [1, 2])
@@ -421,6 +433,65 @@ def test_shaped_reward_telescopes_to_the_potential_reached():
     assert finished[0]["return"] == 0.0 and shaped.phi.item() == 0.0  # reset with the episode
     with pytest.raises(ValueError, match="reward must be one of"):
         reinflow.ReinFlowConfig(reward="shaping")
+
+
+class SolvedFromStep:
+    """A scripted env for reward arithmetic: dense reward 0.5 per step, then 1 with success from step
+    ``solved_at`` on (ManiSkill's normalized dense pays 1 on success); never terminates, and is truncated
+    at step ``limit`` (if given).  Observation after step t: all t."""
+
+    num_envs, device = 1, "cpu"
+
+    def __init__(self, solved_at: int, limit: int = 10**9):
+        self.solved_at, self.limit, self.t = solved_at, limit, 0
+
+    def reset(self, seed=None):
+        self.t = 0
+        return torch.zeros(1, OBS_DIM)
+
+    def step(self, action):
+        self.t += 1
+        success = torch.tensor([self.t >= self.solved_at])
+        reward = torch.where(success, 1.0, 0.5)
+        return torch.full((1, OBS_DIM), float(self.t)), reward, torch.zeros(1, dtype=torch.bool), \
+            torch.tensor([self.t >= self.limit]), success
+
+
+def test_success_bonus_adds_to_what_learning_sees_on_solved_steps_only():
+    """Six steps solved from the third: learning sees scale * sum_k gamma^k (r_k + B [solved_k]); the
+    logged return is the env's (0.5 + 0.5 + 4 x 1)."""
+    gamma, scale, bonus = 0.9, 0.1, 4.0
+    out = {}
+    for b in (0.0, bonus):
+        runner = reinflow.ChunkRunner(SolvedFromStep(3), obs_horizon=2, gamma=gamma, reward="dense",
+                                      reward_scale=scale, success_bonus=b)
+        step = runner.step_chunk(torch.zeros(1, 6, ACT_DIM))
+        out[b] = (step["reward"].item(), runner.ep_return.item(), bool(runner.ep_success))
+    plain = scale * sum(gamma ** k * (1.0 if k >= 2 else 0.5) for k in range(6))
+    assert out[0.0][0] == pytest.approx(plain)
+    assert out[bonus][0] == pytest.approx(plain + scale * bonus * sum(gamma ** k for k in range(2, 6)))
+    assert out[0.0][1:] == out[bonus][1:] == (pytest.approx(5.0), True)
+    with pytest.raises(ValueError, match="success_bonus"):
+        reinflow.ChunkRunner(SolvedFromStep(3), obs_horizon=2, gamma=gamma, reward="sparse", success_bonus=1.0)
+    with pytest.raises(ValueError, match="reward 'dense' only"):
+        reinflow.ReinFlowConfig(reward="shaped", success_bonus=1.0)
+    with pytest.raises(ValueError, match="success_bonus must be >= 0"):
+        reinflow.ReinFlowConfig(reward="dense", success_bonus=-1.0)
+
+
+def test_finish_episodes_is_the_discounted_rest_of_the_episode_bootstrapped_at_the_time_limit():
+    """From step 0 of a 20-step episode (chunks of 8, 8 and 4 executed steps): G = sum_k gamma^k r_(k+1)
+    + gamma^20 V(last window), whatever actions the policy takes; an ended episode then adds nothing."""
+    agent, _ = tiny_agent()
+    gamma, limit = 0.9, 20
+    runner = reinflow.ChunkRunner(SolvedFromStep(5, limit), obs_horizon=2, gamma=gamma, reward="dense")
+    g = reinflow.finish_episodes(agent, runner, torch.Generator().manual_seed(0))
+    last = torch.stack([torch.full((OBS_DIM,), float(limit - 1)), torch.full((OBS_DIM,), float(limit))])[None]
+    expected = sum(gamma ** k * (1.0 if k + 1 >= 5 else 0.5) for k in range(limit)) \
+        + gamma ** limit * agent.value(last).item()
+    assert g.item() == pytest.approx(expected, rel=1e-5)
+    assert not runner.active.any() and [e["length"] for e in runner.pop_finished()] == [limit]
+    assert reinflow.finish_episodes(agent, runner).item() == 0.0
 
 
 @pytest.mark.parametrize("per_iteration, counts", [(4096, [0, 1, 1, 2, 3]), (16384, [0, 1, 1, 1, 1])])
