@@ -47,12 +47,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     overrides = parse_overrides(args.param)
-    ckpt = reinflow.read_agent_checkpoint(args.checkpoint)
-    cfg = reinflow.checkpoint_config(ckpt, overrides)
-    agent = reinflow.load_agent(args.checkpoint, overrides)
-    std = args.noise_std or reinflow.noise_schedule(cfg.noise_schedule, ckpt["env_steps"] / max(cfg.noise_decay_steps, 1),
-                                                    cfg.max_noise_std, cfg.final_noise_std)
-    agent.set_max_noise_std(std)
+    ckpt, cfg, agent, std = reinflow.load_for_rollouts(args.checkpoint, overrides, args.noise_std)
     gen = torch.Generator().manual_seed(args.seed)
     q_hat, g, t0 = [[], []], [[], []], time.time()
     with torch.no_grad(), make_env(cfg.env_id, args.num_envs, max_episode_steps=cfg.max_episode_steps) as env:

@@ -52,12 +52,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     overrides = parse_overrides(args.param)
-    ckpt = reinflow.read_agent_checkpoint(args.checkpoint)
-    cfg = reinflow.checkpoint_config(ckpt, overrides)
-    agent = reinflow.load_agent(args.checkpoint, overrides)
-    std = args.noise_std or reinflow.noise_schedule(cfg.noise_schedule, ckpt["env_steps"] / max(cfg.noise_decay_steps, 1),
-                                                    cfg.max_noise_std, cfg.final_noise_std)
-    agent.set_max_noise_std(std)
+    ckpt, cfg, agent, std = reinflow.load_for_rollouts(args.checkpoint, overrides, args.noise_std)
     T = args.decisions or cfg.rollout_steps
     noise = (f"max_noise_std {std:.3f}; noise_corr {cfg.noise_corr}" if cfg.noise_method in LEARNED_NOISE
              else f"noise_level {cfg.noise_level}")

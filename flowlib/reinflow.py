@@ -889,6 +889,18 @@ def load_agent(path: str | Path, overrides: dict | None = None) -> ReinFlowAgent
     return agent.eval()
 
 
+def load_for_rollouts(path: str | Path, overrides: dict | None = None, max_noise_std: float = 0.0):
+    """``(checkpoint, config, agent, max_noise_std)`` for measuring a checkpoint (``benchmarks/``): ``load_agent``
+    with the noise the run had at the checkpoint's env steps (its schedule), or ``max_noise_std`` when > 0."""
+    ckpt = read_agent_checkpoint(path)
+    cfg = checkpoint_config(ckpt, overrides)
+    agent = load_agent(path, overrides)
+    std = max_noise_std or noise_schedule(cfg.noise_schedule, ckpt["env_steps"] / max(cfg.noise_decay_steps, 1),
+                                          cfg.max_noise_std, cfg.final_noise_std)
+    agent.set_max_noise_std(std)
+    return ckpt, cfg, agent, std
+
+
 def policy_gradient(agent: ReinFlowAgent, obs: torch.Tensor, chains: torch.Tensor, stochastic: torch.Tensor,
                     advantages: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
     """The flat gradient ``[P]`` of ``-mean_i A_i log pi(chain_i | s_i)`` with respect to ``params``.
