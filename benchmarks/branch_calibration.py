@@ -33,6 +33,7 @@ from flowlib.envs import make_env
 from flowlib.run import parse_overrides
 from flowlib.runs import run_dir, save_json
 
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="a ReinFlow last.pt / best_model.pt (its critic is what is checked)")
@@ -57,13 +58,10 @@ def main(argv=None) -> dict:
             runner.restart()
             for _ in range(int(torch.randint(args.max_skip + 1, (1,), generator=gen))):
                 runner.step_chunk(agent.actions(agent.sample(runner.window, gen)[0]), auto_reset=False)
-            live, states = runner.active.clone(), env.snapshot()
-            saved = {k: getattr(runner, k).clone() for k in runner.EPISODE_STATE}
+            live, saved = runner.active.clone(), runner.save()
             continuation_seed = int(torch.randint(2**31, (1,), generator=gen))
             for m in range(2):
-                env.restore(states)
-                for k in runner.EPISODE_STATE:
-                    setattr(runner, k, saved[k].clone())
+                runner.rewind(saved)
                 out = runner.step_chunk(agent.actions(agent.sample(runner.window, gen)[0]), auto_reset=False)
                 next_value = torch.where(out["terminal"], 0.0, agent.value(out["next_window"]))     # [N]
                 rest = finish_episodes_after(agent, runner, out, next_value, continuation_seed)

@@ -597,7 +597,7 @@ class ChunkRunner:
     success is worth ``1 + B`` per step against a near-miss's 0.5-0.8; the logged return stays the env's.
     """
 
-    EPISODE_STATE = ("window", "ep_return", "ep_success", "ep_length", "active", "phi")  # saved with the simulator
+    EPISODE_STATE = ("window", "ep_return", "ep_success", "ep_length", "active", "phi")  # what ``save`` keeps
 
     def __init__(self, env, obs_horizon: int, gamma: float, reward: str = "sparse", first_seed: int = 2_000_000,
                  reward_scale: float = 1.0, success_bonus: float = 0.0):
@@ -688,24 +688,32 @@ class ChunkRunner:
 
     def step_branches(self, actions: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         """Try ``M`` chunks ``actions [M, N, Ta, A]`` from the current state of every env: branch ``m < M-1``
-        runs and is undone (``env.snapshot`` / ``env.restore``: simulator, step count and this runner's
+        runs and is undone (``save`` / ``rewind``: simulator, step count and this runner's
         episode bookkeeping), and the last branch is the one the episode goes on with (``step_chunk``).
         Returns ``step_chunk``'s dict per branch; every branch's env steps count."""
         M = actions.shape[0]
         if M < 2:
             raise ValueError(f"step_branches needs >= 2 branches, got {M}")
-        states = self.env.snapshot()
-        kept = self.EPISODE_STATE
-        saved, n_finished = {k: getattr(self, k).clone() for k in kept}, len(self.finished)
+        saved = self.save()
         outs = []
         for m in range(M - 1):
             outs.append(self.step_chunk(actions[m], auto_reset=False))
-            self.env.restore(states)
-            for k in kept:
-                setattr(self, k, saved[k].clone())
-            del self.finished[n_finished:]
+            self.rewind(saved)
         outs.append(self.step_chunk(actions[-1]))
         return outs
+
+    def save(self) -> dict:
+        """The present of every env, to ``rewind`` to: the simulator's state (``env.snapshot``, physx_cpu) and
+        this runner's episode bookkeeping."""
+        return {"env": self.env.snapshot(), "n_finished": len(self.finished),
+                **{k: getattr(self, k).clone() for k in self.EPISODE_STATE}}
+
+    def rewind(self, saved: dict) -> None:
+        """Go back to ``saved`` (from ``save``): what ran since is undone, episodes it ended included."""
+        self.env.restore(saved["env"])
+        for k in self.EPISODE_STATE:
+            setattr(self, k, saved[k].clone())
+        del self.finished[saved["n_finished"]:]
 
     def pop_finished(self) -> list[dict]:
         done, self.finished = self.finished, []
