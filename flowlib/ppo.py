@@ -172,6 +172,38 @@ def _masked_mean(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- the update
 
 
+def _row_weights(stochastic: torch.Tensor, w: torch.Tensor, ratio_mode: str) -> torch.Tensor:
+    """The weight of each ratio in the policy loss: ``[b, 1]`` (joint: one per sample) or ``[b, K]`` (per_step:
+    a sample's weight shared among its stochastic steps)."""
+    if ratio_mode == "joint":
+        return w[:, None]
+    return w[:, None] * stochastic.float() / stochastic.float().sum(1, keepdim=True).clamp(min=1)
+
+
+def _policy_sums(agent, batch: dict[str, torch.Tensor], idx: torch.Tensor, adv: torch.Tensor, w: torch.Tensor,
+                 cfg) -> dict[str, torch.Tensor]:
+    """The policy's terms on rows ``idx`` as weighted sums (the caller divides by the minibatch's totals, so a
+    minibatch may be split into micro-batches): the clipped surrogate (``policy_loss``), the noise entropy, and
+    over the live ratios Schulman's k3 estimate of the approx KL, the clipped count and the largest |ratio - 1|."""
+    stoch = batch["stochastic"][idx]
+    step_lp, entropy = agent.step_log_probs(batch["obs"][idx], batch["chains"][idx], stoch)
+    if cfg.ratio_mode == "joint":
+        new = agent.joint_log_prob(step_lp, stoch, batch["chains"][idx])
+        log_ratio = (new - batch["log_probs"][idx])[:, None]                    # [b, 1]
+        surrogate = clipped_surrogate(log_ratio.exp(), adv[:, None], cfg.clip_coef, cfg.dual_clip)
+    else:  # per_step: one ratio per stochastic denoising step (two-layer MDP)
+        log_ratio = torch.where(stoch, step_lp - batch["step_log_probs"][idx], 0.0)  # [b, K]
+        surrogate = clipped_surrogate(log_ratio.exp(), adv[:, None].expand_as(log_ratio), cfg.clip_coef, cfg.dual_clip)
+    row_w = _row_weights(stoch, w, cfg.ratio_mode)
+    ratio, live = log_ratio.exp(), row_w > 0
+    out = {"policy_loss": (surrogate * row_w).sum(), "entropy": (entropy * w).sum()}    # these two carry gradients
+    with torch.no_grad():
+        err = (ratio - 1)[live].abs()
+        out |= {"approx_kl": ((ratio - 1) - log_ratio)[live].sum(), "clip_frac": (err > cfg.clip_coef).sum(),
+                "live": live.sum(), "ratio_err": err.max() if len(err) else torch.zeros(())}
+    return out
+
+
 def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg, train_policy: bool = True,
                generator: torch.Generator | None = None) -> dict[str, float]:
     """Epochs of PPO minibatches over a flat batch of chain decisions.
@@ -192,6 +224,11 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
     critic still catching up is not starved by a policy that moves fast.  ``cfg.policy_epochs`` (``E_pi``;
     0 = every epoch) trains the policy in the first ``E_pi`` epochs only, so each sample moves it once while
     the value fits all ``update_epochs`` (``E_V``): the split of Phasic Policy Gradient (Cobbe et al. 2021).
+
+    ``cfg.micro_batch_size`` (0: the whole minibatch) runs each minibatch through the nets in slices of that
+    many rows and adds up their gradients before the one optimiser step (gradient accumulation): the same
+    update, in the memory of a slice.  On CPU it is also faster for big minibatches (the U-Net's activations
+    stay in cache: 2.0 ms per row at 512 rows, 4.2 at 4,096, 1 thread).
     """
     device = next(agent.parameters()).device
     batch = {k: v.to(device) for k, v in batch.items()}
@@ -213,46 +250,39 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
             w = weights[idx]
             if w.sum() == 0:
                 continue
-            value = agent.value(batch["obs"][idx])
-            v_loss = _masked_mean(value_loss(value, batch["values"][idx], batch["returns"][idx], cfg.value_clip,
-                                             cfg.huber_delta), w)
-            loss = cfg.vf_coef * v_loss
-            if train_policy_now and not stopped_early:
-                stoch = batch["stochastic"][idx]
-                step_lp, entropy = agent.step_log_probs(batch["obs"][idx], batch["chains"][idx], stoch)
-                adv = adv_all[idx]
-                if cfg.ratio_mode == "joint":
-                    new = agent.joint_log_prob(step_lp, stoch, batch["chains"][idx])
-                    log_ratio, row_w = (new - batch["log_probs"][idx])[:, None], w[:, None]  # [b, 1]
-                    surrogate = clipped_surrogate(log_ratio.exp(), adv[:, None], cfg.clip_coef, cfg.dual_clip)
-                else:  # per_step: one ratio per stochastic denoising step (two-layer MDP)
-                    log_ratio = torch.where(stoch, step_lp - batch["step_log_probs"][idx], 0.0)  # [b, K]
-                    row_w = w[:, None] * stoch.float() / stoch.float().sum(1, keepdim=True).clamp(min=1)
-                    surrogate = clipped_surrogate(log_ratio.exp(), adv[:, None].expand_as(log_ratio),
-                                                  cfg.clip_coef, cfg.dual_clip)
-                ratio = log_ratio.exp()
-                live = row_w > 0
-                if first:
-                    err = (ratio - 1)[live].abs().max().item()
-                    if err > 1e-3:
-                        raise RuntimeError(f"PPO ratio is {1 + err:.4g}, not 1, before any update: sampling and "
-                                           "re-scoring disagree (time grid, noise or normalisation differ)")
-                    first = False
-                policy_loss = (surrogate * row_w).sum() / row_w.sum().clamp(min=1e-8)
-                entropy_mean = _masked_mean(entropy, w)
-                loss = loss + policy_loss - cfg.ent_coef * entropy_mean
-                with torch.no_grad():
-                    stats["approx_kl"].append(((ratio - 1) - log_ratio)[live].mean().item())  # Schulman's k3
-                    stats["clip_frac"].append(((ratio - 1).abs() > cfg.clip_coef)[live].float().mean().item())
-                stats["policy_loss"].append(policy_loss.item())
-                stats["entropy"].append(entropy_mean.item())
-            stats["value_loss"].append(v_loss.item())
+            step_policy = train_policy_now and not stopped_early
+            w_total = w.sum()
+            row_w_total = _row_weights(batch["stochastic"][idx], w, cfg.ratio_mode).sum().clamp(min=1e-8)
+            sums = dict.fromkeys(("value_loss", "policy_loss", "entropy", "approx_kl", "clip_frac", "live"), 0.0)
             actor_opt.zero_grad(set_to_none=True)
             critic_opt.zero_grad(set_to_none=True)
-            loss.backward()
+            for micro in idx.split(cfg.micro_batch_size or len(idx)):      # gradient accumulation
+                wm = weights[micro]
+                value = agent.value(batch["obs"][micro])
+                v_sum = (value_loss(value, batch["values"][micro], batch["returns"][micro], cfg.value_clip,
+                                    cfg.huber_delta) * wm).sum()
+                loss = cfg.vf_coef * v_sum / w_total
+                sums["value_loss"] += v_sum.item()
+                if step_policy:
+                    p = _policy_sums(agent, batch, micro, adv_all[micro], wm, cfg)
+                    if first and p["ratio_err"] > 1e-3:
+                        raise RuntimeError(f"PPO ratio is {1 + p['ratio_err'].item():.4g}, not 1, before any "
+                                           "update: sampling and re-scoring disagree (time grid, noise or "
+                                           "normalisation differ)")
+                    loss = loss + p["policy_loss"] / row_w_total - cfg.ent_coef * p["entropy"] / w_total
+                    for key in ("policy_loss", "entropy", "approx_kl", "clip_frac", "live"):
+                        sums[key] += p[key].item()
+                loss.backward()
+            stats["value_loss"].append(sums["value_loss"] / w_total.item())
             nn.utils.clip_grad_norm_(agent.value_parameters(), cfg.max_grad_norm)
             critic_opt.step()
-            if train_policy_now and not stopped_early:
+            if step_policy:
+                first = False
+                live = max(sums["live"], 1)
+                stats["policy_loss"].append(sums["policy_loss"] / row_w_total.item())
+                stats["entropy"].append(sums["entropy"] / w_total.item())
+                stats["approx_kl"].append(sums["approx_kl"] / live)                # Schulman's k3
+                stats["clip_frac"].append(sums["clip_frac"] / live)
                 nn.utils.clip_grad_norm_(agent.policy_parameters(), cfg.max_grad_norm)
                 actor_opt.step()
                 policy_steps += 1

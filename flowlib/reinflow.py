@@ -486,6 +486,7 @@ class ReinFlowConfig:
     update_epochs: int = 2
     policy_epochs: int = 0              # epochs of each update that train the policy (0: all); the value fits all
     minibatch_size: int = 16
+    micro_batch_size: int = 0           # rows per forward/backward pass inside a minibatch (gradient accumulation); 0: all
     gamma: float = 0.99
     advantage: str = "gae"              # gae / mc / nstep / grpo / branch (flowlib.ppo)
     gae_lambda: float = 0.95
@@ -543,6 +544,8 @@ class ReinFlowConfig:
             (self.num_inference_steps >= 1, "num_inference_steps must be >= 1"),
             (self.rollout_steps >= 1 and self.update_epochs >= 1 and self.minibatch_size >= 1,
              "rollout_steps, update_epochs and minibatch_size must be >= 1"),
+            (self.micro_batch_size >= 0,
+             f"micro_batch_size must be >= 0 (0: the whole minibatch in one pass), got {self.micro_batch_size}"),
             (0 <= self.policy_epochs <= self.update_epochs,
              f"policy_epochs must be in [0, update_epochs = {self.update_epochs}] (0: all), got {self.policy_epochs}"),
             (0 < self.gamma <= 1 and 0 <= self.gae_lambda <= 1, "need gamma in (0, 1] and gae_lambda in [0, 1]"),

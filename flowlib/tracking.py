@@ -23,7 +23,9 @@ WANDB_MODES = ("disabled", "offline", "online")
 class Tracker:
     """``log(metrics, step)`` appends to ``metrics.jsonl`` (and W&B); ``finish()`` writes ``metrics.csv``.
 
-    With ``resume=True`` an existing ``metrics.jsonl`` is kept and extended (a resumed run).
+    With ``resume=True`` an existing ``metrics.jsonl`` is kept and extended (a resumed run), and ``wall_time``
+    goes on from its last row: a learning curve against wall time counts the time spent training, not the
+    time the run lay stopped.
     """
 
     def __init__(self, run_path: Path, config: dict[str, Any] | None = None, wandb_mode: str = "disabled",
@@ -39,7 +41,7 @@ class Tracker:
         else:
             self.jsonl.write_text("")
         self.wandb_run = None
-        self._t0 = time.time()
+        self._t0 = time.time() - (self.rows[-1].get("wall_time", 0.0) if self.rows else 0.0)
         if wandb_mode != "disabled":
             try:
                 import wandb
@@ -62,6 +64,8 @@ class Tracker:
         """Forget rows logged after ``step`` (a run resumed from an earlier checkpoint logs them again)."""
         kept = [row for row in self.rows if row["step"] <= step]
         if len(kept) != len(self.rows):
+            dropped = self.rows[-1].get("wall_time", 0.0) - (kept[-1].get("wall_time", 0.0) if kept else 0.0)
+            self._t0 += dropped                          # the clock goes back with the rows
             self.rows = kept
             self.jsonl.write_text("".join(json.dumps(row) + "\n" for row in kept))
 

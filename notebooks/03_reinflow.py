@@ -138,6 +138,7 @@ rollout_steps = 8
 update_epochs = 2
 policy_epochs = 0
 minibatch_size = 16
+micro_batch_size = 0
 gamma = 0.99
 advantage = "gae"
 gae_lambda = 0.95

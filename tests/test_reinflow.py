@@ -358,6 +358,12 @@ def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, 
         out = cal.main([str(tmp_path / "run" / "last.pt"), "--batches", "2", "--num-envs", "2", "--max-skip", "1"])
         assert out["pairs"] == 4 and out["std_dq"] > 0
         assert (tmp_path / "outputs" / "benchmarks" / "branch_calibration" / "default.json").exists()
+        # the PPO-step timing benchmark: 8 rows, whole and in slices of 3
+        spec = importlib.util.spec_from_file_location("ppo_update_speed", REPO / "benchmarks" / "ppo_update_speed.py")
+        speed = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(speed)
+        rows = speed.main([str(tmp_path / "run" / "last.pt"), "--rows", "8", "--micro", "0", "3", "--repeats", "1"])
+        assert [r["micro_batch_size"] for r in rows] == [0, 3] and all(r["s_per_step"] > 0 for r in rows)
 
 
 @pytest.mark.parametrize("num_envs", [1, 2])

@@ -74,3 +74,16 @@ def test_tracker_rewind_drops_rows_a_resumed_run_will_log_again(tmp_path):
     resumed.log({"loss": 0.0}, 30)
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [10, 20, 30] and [r["step"] for r in resumed.rows] == [10, 20, 30]
+
+
+def test_a_resumed_run_keeps_its_wall_clock(tmp_path):
+    """wall_time goes on from the last kept row, so a curve against wall time has no jump back to 0."""
+    rows = [{"step": s, "wall_time": w} for s, w in ((10, 100.0), (20, 200.0), (30, 300.0))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    resumed = Tracker(tmp_path, resume=True)
+    resumed.rewind(20)                                   # the checkpoint was at step 20
+    resumed.log({"loss": 0.0}, 30)
+    assert 200.0 <= resumed.rows[-1]["wall_time"] < 210.0
+    fresh = Tracker(tmp_path)                            # not resumed: a new clock
+    fresh.log({"loss": 0.0}, 10)
+    assert fresh.rows[-1]["wall_time"] < 10.0
