@@ -11,7 +11,9 @@ episodes whatever ``--num-envs`` is, and each one's gain over the first is a pai
 (``flowlib.metrics.success_rates``); so is its gain in return, the env's normalized dense reward summed
 over the episode (``return_diff``, ``flowlib.metrics.paired_means``).  ``--act-horizon`` re-runs each
 checkpoint executing that many actions of every chunk (re-planning more or less often than it was trained
-to; rows ``<label>@ah<n>``).  Writes ``results.csv`` (one row per checkpoint), ``per_episode.csv``
+to; rows ``<label>@ah<n>``).  ``--noisy`` runs stage-3 checkpoints with their exploration noise (rows
+``<label>@noisy``): the policy PPO improves, next to the deterministic one it deploys; their step noise is
+one stream per checkpoint, so those rows depend on ``--num-envs``.  Writes ``results.csv`` (one row per checkpoint), ``per_episode.csv``
 (success), ``per_episode_return.csv`` and ``summary.json`` under ``outputs/evaluate/<run_name>/``.
 """
 from __future__ import annotations
@@ -30,15 +32,16 @@ from .metrics import paired_means, success_rates
 from .runs import run_dir, save_json, save_text
 
 
-def load_checkpoint_policy(path: str | Path):
-    """The policy in a stage-1/2 flow-policy or stage-3 ReinFlow checkpoint, in eval mode, and its metadata."""
+def load_checkpoint_policy(path: str | Path, noisy: bool = False):
+    """The policy in a stage-1/2 flow-policy or stage-3 ReinFlow checkpoint, in eval mode, and its metadata.
+    With ``noisy`` a stage-3 agent carries the exploration noise its run had at the checkpoint's env steps."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} not found: pass the best_model.pt / last.pt of a finished run")
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     fmt = ckpt.get("format") if isinstance(ckpt, dict) else None
     if fmt == reinflow.CHECKPOINT_FORMAT:
-        agent = reinflow.load_agent(path)
+        agent = reinflow.load_for_rollouts(path)[2] if noisy else reinflow.load_agent(path)
         return agent, agent.meta
     policy = bc.load_policy(path)  # raises a clear error for anything that is not a flow policy
     return policy, policy.meta
@@ -49,19 +52,22 @@ def set_act_horizon(policy, act_horizon: int) -> None:
     policy.act_horizon = bc.check_act_horizon(act_horizon, policy.obs_horizon, policy.pred_horizon)
 
 
-def label(path: str | Path, act_horizon: int | None = None) -> str:
+def label(path: str | Path, act_horizon: int | None = None, noisy: bool = False) -> str:
     """``<run>/<file>`` (e.g. ``cpu_dense_150k_s0/last.pt``), short and unique across runs; ``@ah<n>`` with an
-    act-horizon override."""
+    act-horizon override, ``@noisy`` for a stage-3 policy run with its exploration noise."""
     path = Path(path)
-    return f"{path.parent.name}/{path.name}" + ("" if act_horizon is None else f"@ah{act_horizon}")
+    return (f"{path.parent.name}/{path.name}" + ("" if act_horizon is None else f"@ah{act_horizon}")
+            + ("@noisy" if noisy else ""))
 
 
 def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, seed: int, inference_steps: int,
                          backend: str = "auto", max_episode_steps: int | None = None,
-                         act_horizons: list[int] | None = None) -> dict[str, dict]:
+                         act_horizons: list[int] | None = None, noisy: bool = False) -> dict[str, dict]:
     """``{label: bc.evaluate result}`` for each checkpoint (at each of ``act_horizons``, when given),
-    all on the same episodes and one env."""
-    loaded = {p: load_checkpoint_policy(p) for p in paths}
+    all on the same episodes and one env.  ``noisy``: stage-3 checkpoints sample their noisy chain (the policy
+    that collected their training data), each from a generator seeded with ``seed``, so all of them meet the
+    same noise stream; stage-1/2 checkpoints, which have no exploration noise, stay deterministic."""
+    loaded = {p: load_checkpoint_policy(p, noisy) for p in paths}
     if len({label(p) for p in paths}) != len(paths):
         raise ValueError("two checkpoints share a <run>/<file> label; evaluate them in separate calls")
     horizons = act_horizons or [None]
@@ -81,10 +87,13 @@ def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, 
                   max_episode_steps=max_episode_steps) as env:
         for path, (policy, meta) in tqdm(loaded.items(), desc="checkpoints"):
             bc.check_compatible(meta, env.spec)
+            explores = noisy and isinstance(policy, reinflow.ReinFlowAgent)
             for ah in horizons:
                 if ah is not None:
                     set_act_horizon(policy, ah)
-                results[label(path, ah)] = {**bc.evaluate(policy, env, episodes, inference_steps, seed=seed),
+                if explores:
+                    policy.explore = torch.Generator().manual_seed(seed)
+                results[label(path, ah, explores)] = {**bc.evaluate(policy, env, episodes, inference_steps, seed=seed),
                                             "act_horizon": policy.act_horizon}
     return results
 
@@ -118,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--act-horizon", type=int, nargs="+", default=None, metavar="N",
                     help="actions executed per chunk (default: each checkpoint's own); several: one row per value")
     ap.add_argument("--max-episode-steps", type=int, default=None, help="default: the task's evaluation length")
+    ap.add_argument("--noisy", action="store_true",
+                    help="stage-3 checkpoints run their noisy chain (the noise their run had at that point)")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--run-name", default="default", help="folder under outputs/evaluate/")
     args = ap.parse_args(argv)
@@ -126,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # leave the cores to the env workers
     try:
         results = evaluate_checkpoints(args.checkpoints, args.episodes, args.num_envs, args.seed,
-                                       args.inference_steps, args.backend, args.max_episode_steps, args.act_horizon)
+                                       args.inference_steps, args.backend, args.max_episode_steps, args.act_horizon,
+                                       args.noisy)
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

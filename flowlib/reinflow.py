@@ -211,6 +211,7 @@ class ReinFlowAgent(nn.Module):
         self.value_net = mlp([value_in, *value_hidden_dims, 1], act=nn.Mish)
         self.include_initial_noise = include_initial_noise or noise_method == "flow_noise"
         self.log_prob_over = log_prob_over
+        self.explore: torch.Generator | None = None  # set: act() samples the noisy chain with it (evaluate --noisy)
 
     def _executed(self, x: torch.Tensor) -> torch.Tensor:  # [P, H, A] -> [P, Ta, A]
         start = self.obs_horizon - 1
@@ -383,11 +384,16 @@ class ReinFlowAgent(nn.Module):
     @torch.no_grad()
     def act(self, obs_window: torch.Tensor, num_steps: int | None = None, generator: torch.Generator | None = None,
             x0: torch.Tensor | None = None):
-        """Deterministic evaluation (``num_steps`` is ignored: the agent's ``K``), ``[B, Ta, A]``.
+        """Deterministic evaluation (``num_steps`` is ignored: the agent's ``K``), ``[B, Ta, A]``; with
+        ``self.explore`` set (a generator), the noisy chain that collects training data, its step noise drawn
+        from that generator: the policy PPO improves, as opposed to the one deployed.
 
         Same signature as ``FlowPolicy.act`` so ``flowlib.bc.evaluate`` runs either policy.
         """
-        chain, _ = self.sample(obs_window, generator, deterministic=True, x0=x0)
+        if self.explore is not None:
+            chain, _ = self.sample(obs_window, self.explore, x0=x0)
+        else:
+            chain, _ = self.sample(obs_window, generator, deterministic=True, x0=x0)
         return self.actions(chain)
 
 

@@ -1,5 +1,6 @@
 """Stage 3 (ReinFlow): chain log-probs, the PPO ratio before an update, SMDP GAE, noise schedules,
 critic warm-up, and a two-iteration fine-tune in a real PickCube env."""
+import csv
 import dataclasses
 import importlib.util
 import json
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from flowlib import bc, reinflow
+from flowlib import bc, evaluate, reinflow
 from flowlib.config import ConfigError
 from flowlib.data import ChunkDataset, Episode
 from flowlib.envs import make_env
@@ -154,6 +155,20 @@ def test_deterministic_chain_is_the_ode_of_the_flow():
             x = x + 0.25 * ode(x, torch.full((5,), k / 4), torch.full((5,), 0.25), agent.obs_normalizer.normalize(obs))
     assert torch.allclose(chain[:, -1], x, atol=1e-6)
     assert agent.act(obs).shape == (5, 8, ACT_DIM) and agent.act(obs).abs().max() <= 1
+
+
+def test_act_runs_the_noisy_chain_while_explore_is_set():
+    """evaluate --noisy: with a generator in ``explore``, act() is the training-time (noisy) chain, drawn from
+    that generator; without, the deterministic chain again."""
+    agent, obs = tiny_agent(K=4)
+    x0 = torch.randn(5, agent.pred_horizon, ACT_DIM, generator=torch.Generator().manual_seed(1))
+    deterministic = agent.act(obs, x0=x0)
+    agent.explore = torch.Generator().manual_seed(0)
+    noisy = agent.act(obs, x0=x0)
+    chain, _ = agent.sample(obs, torch.Generator().manual_seed(0), x0=x0)
+    assert torch.equal(noisy, agent.actions(chain)) and not torch.allclose(noisy, deterministic)
+    agent.explore = None
+    assert torch.equal(agent.act(obs, x0=x0), deterministic)
 
 
 def test_rescoring_on_another_time_grid_is_caught_by_the_ratio_check(monkeypatch):
@@ -302,8 +317,8 @@ BRANCH = {"advantage": "branch", "branches": 2, "reward": "dense", "success_bonu
 @pytest.mark.parametrize("options", [{}, PIRL, BRANCH], ids=["reinflow", "flow_sde_hybrid_grpo", "branch"])
 def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, options):
     eval_seeds = []  # periodic evaluations must use val_seed: eval_seed is kept for the report
-    evaluate = bc.evaluate
-    monkeypatch.setattr(bc, "evaluate", lambda *a, seed, **kw: eval_seeds.append(seed) or evaluate(*a, seed=seed, **kw))
+    bc_evaluate = bc.evaluate
+    monkeypatch.setattr(bc, "evaluate", lambda *a, seed, **kw: eval_seeds.append(seed) or bc_evaluate(*a, seed=seed, **kw))
     policy, dataset = tiny_policy()
     path = tmp_path / "stage1.pt"
     bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
@@ -364,6 +379,11 @@ def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, 
         spec.loader.exec_module(speed)
         rows = speed.main([str(tmp_path / "run" / "last.pt"), "--rows", "8", "--micro", "0", "3", "--repeats", "1"])
         assert [r["micro_batch_size"] for r in rows] == [0, 3] and all(r["s_per_step"] > 0 for r in rows)
+        # evaluate --noisy: the stage-1 policy stays deterministic, the stage-3 one runs its noisy chain
+        assert evaluate.main([str(path), str(tmp_path / "run" / "last.pt"), "--noisy", "--episodes", "2",
+                              "--num-envs", "2", "--max-episode-steps", "10", "--run-name", "noisy"]) == 0
+        rows = list(csv.DictReader(open(tmp_path / "outputs" / "evaluate" / "noisy" / "results.csv")))
+        assert [r["policy"] for r in rows] == [evaluate.label(path), "run/last.pt@noisy"]
 
 
 @pytest.mark.parametrize("num_envs", [1, 2])
