@@ -13,8 +13,9 @@ over the episode (``return_diff``, ``flowlib.metrics.paired_means``).  ``--act-h
 checkpoint executing that many actions of every chunk (re-planning more or less often than it was trained
 to; rows ``<label>@ah<n>``).  ``--noisy`` runs stage-3 checkpoints with their exploration noise (rows
 ``<label>@noisy``): the policy PPO improves, next to the deterministic one it deploys; their step noise is
-one stream per checkpoint, so those rows depend on ``--num-envs``.  Writes ``results.csv`` (one row per checkpoint), ``per_episode.csv``
-(success), ``per_episode_return.csv`` and ``summary.json`` under ``outputs/evaluate/<run_name>/``.
+one stream per checkpoint, so those rows depend on ``--num-envs``.  Writes ``results.csv`` (one row per
+checkpoint), ``per_episode.csv`` (success), ``per_episode_return.csv`` and ``summary.json`` under
+``outputs/evaluate/<run_name>/``.
 """
 from __future__ import annotations
 
@@ -93,8 +94,8 @@ def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, 
                     set_act_horizon(policy, ah)
                 if explores:
                     policy.explore = torch.Generator().manual_seed(seed)
-                results[label(path, ah, explores)] = {**bc.evaluate(policy, env, episodes, inference_steps, seed=seed),
-                                            "act_horizon": policy.act_horizon}
+                result = bc.evaluate(policy, env, episodes, inference_steps, seed=seed)
+                results[label(path, ah, explores)] = {**result, "act_horizon": policy.act_horizon}
     return results
 
 

@@ -262,7 +262,7 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
                 v_sum = (value_loss(value, batch["values"][micro], batch["returns"][micro], cfg.value_clip,
                                     cfg.huber_delta) * wm).sum()
                 loss = cfg.vf_coef * v_sum / w_total
-                sums["value_loss"] += v_sum.item()
+                sums["value_loss"] = sums["value_loss"] + v_sum.detach()   # tensors: no sync per slice
                 if step_policy:
                     p = _policy_sums(agent, batch, micro, adv_all[micro], wm, cfg)
                     if first and p["ratio_err"] > 1e-3:
@@ -271,8 +271,9 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
                                            "normalisation differ)")
                     loss = loss + p["policy_loss"] / row_w_total - cfg.ent_coef * p["entropy"] / w_total
                     for key in ("policy_loss", "entropy", "approx_kl", "clip_frac", "live"):
-                        sums[key] += p[key].item()
+                        sums[key] = sums[key] + p[key].detach()
                 loss.backward()
+            sums = {k: float(v) for k, v in sums.items()}                    # one sync per minibatch
             stats["value_loss"].append(sums["value_loss"] / w_total.item())
             nn.utils.clip_grad_norm_(agent.value_parameters(), cfg.max_grad_norm)
             critic_opt.step()
