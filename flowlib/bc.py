@@ -204,14 +204,20 @@ def evaluate(policy: FlowPolicy, env, num_episodes: int, num_inference_steps: in
     steps; ``success_once`` = success at any step, ``success_at_end`` = at the last step.  Episode
     ``i`` uses env seed ``seed + i``, and its policy noise (each chain's ``x_0``, the action noise) comes
     from a generator seeded with ``seed + i`` too: an episode's result does not depend on how episodes
-    are batched (``env.num_envs``), so CPU and GPU runs evaluate the same episodes.
+    are batched (``env.num_envs``), so CPU and GPU runs evaluate the same episodes.  (One leak on
+    ``physx_cpu``: PickCube's first observation carries the ``is_grasped`` of the env's previous episode
+    (``envs.ManiSkillVecEnv.step``); it moves single episodes, not the 100-demo policy's success rate.)
     ``action_noise_std > 0`` adds Gaussian exploration noise to the executed actions (clipped to
     the action box [-1, 1]).  ``record=True`` also returns the rollouts as ``flowlib.data.Episode``
     (dense rewards, success; ``terminated`` = success as in ManiSkill's PickCube; the last step truncated).
+    ``flags_once`` / ``per_episode_flags_once``: how often each of the env's other evaluation flags
+    (``env.task_flags``; for PickCube ``is_grasped``, ``is_obj_placed``, ``is_robot_static``) was true at
+    some step of an episode: where the episodes that fail stop on the way to success.
     """
     policy.eval()
     device = next(policy.parameters()).device
     once, at_end, returns, frames, episodes = [], [], [], [], []
+    flags_once: dict[str, list[bool]] = {}
     t0, steps, policy_time = time.time(), 0, 0.0
     for first in range(0, num_episodes, env.num_envs):
         seeds = list(range(seed + first, seed + first + env.num_envs))
@@ -221,6 +227,7 @@ def evaluate(policy: FlowPolicy, env, num_episodes: int, num_inference_steps: in
         trace = {"obs": [obs.cpu()], "actions": [], "rewards": [], "success": []}
         ep_once = torch.zeros(env.num_envs, dtype=torch.bool)
         ep_return = torch.zeros(env.num_envs)
+        ep_flags: dict[str, torch.Tensor] = {}  # name -> [N], true at some step so far
         t = 0
         while t < env.max_episode_steps:
             tp = time.time()
@@ -236,6 +243,8 @@ def evaluate(policy: FlowPolicy, env, num_episodes: int, num_inference_steps: in
                 history.append(obs)
                 ep_once |= success.cpu()
                 ep_return += reward.cpu()
+                for name, flag in getattr(env, "task_flags", {}).items():
+                    ep_flags[name] = ep_flags.get(name, torch.zeros(env.num_envs, dtype=torch.bool)) | flag.cpu()
                 t += 1
                 steps += env.num_envs
                 if record:
@@ -250,12 +259,16 @@ def evaluate(policy: FlowPolicy, env, num_episodes: int, num_inference_steps: in
         once += ep_once[:n].tolist()
         at_end += success.cpu()[:n].tolist()
         returns += ep_return[:n].tolist()
+        for name, flag in ep_flags.items():
+            flags_once.setdefault(name, []).extend(flag[:n].tolist())
         if record:
             episodes += _episodes_from_trace(trace, seeds)
     wall = time.time() - t0
     out = {"success_once": float(np.mean(once)), "success_at_end": float(np.mean(at_end)),
            "return": float(np.mean(returns)), "episodes": len(once), "per_episode_success_once": once,
            "per_episode_return": returns,
+           "flags_once": {name: float(np.mean(v)) for name, v in flags_once.items()},
+           "per_episode_flags_once": flags_once,
            "env_steps_per_s": steps / wall, "policy_time_fraction": policy_time / wall, "frames": frames}
     if record:
         out["rollouts"] = episodes

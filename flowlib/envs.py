@@ -154,6 +154,7 @@ class ManiSkillVecEnv:
             # spawn, not fork: forking a process that already runs torch threads can deadlock
             kwargs = {} if num_envs == 1 else {"daemon": True, "context": "spawn"}
             self.env = cls([make] * num_envs, autoreset_mode=AutoresetMode.DISABLED, **kwargs)
+        self.task_flags: dict[str, torch.Tensor] = {}  # set by each step
         self.spec = EnvSpec(env_id, int(np.prod(self.env.single_observation_space.shape)),
                             int(np.prod(self.env.single_action_space.shape)), control_mode, self.max_episode_steps)
 
@@ -186,12 +187,19 @@ class ManiSkillVecEnv:
         return self._tensor(obs).reshape(self.num_envs, -1)
 
     def step(self, action: torch.Tensor):
-        """``action [N, A]`` -> ``obs [N, O], reward [N], terminated [N], truncated [N], success [N]``."""
+        """``action [N, A]`` -> ``obs [N, O], reward [N], terminated [N], truncated [N], success [N]``.
+
+        The task's other true/false evaluation flags of this step (ManiSkill's ``evaluate()``: for PickCube
+        ``is_grasped``, ``is_obj_placed``, ``is_robot_static``) are left in ``self.task_flags``, ``{name: [N]}``.
+        Read them from a step, not from a reset observation: on ``physx_cpu`` the ``is_grasped`` entry of the
+        observation that ``reset`` returns still reflects the previous episode's last contacts."""
         if action.shape != (self.num_envs, self.spec.action_dim):
             raise ValueError(f"action must be [{self.num_envs}, {self.spec.action_dim}], got {tuple(action.shape)}")
         act = action if self.backend == "physx_cuda" else action.detach().cpu().numpy()
         obs, reward, terminated, truncated, info = self.env.step(act)
         success = info.get("success", np.zeros(self.num_envs, dtype=bool))
+        self.task_flags = {name: self._tensor(value, torch.bool) for name, value in info.items()
+                           if name != "success" and not name.startswith("_") and _is_flag(value, self.num_envs)}
         return (self._tensor(obs).reshape(self.num_envs, -1), self._tensor(reward), self._tensor(terminated, torch.bool),
                 self._tensor(truncated, torch.bool), self._tensor(success, torch.bool))
 
@@ -226,6 +234,13 @@ class ManiSkillVecEnv:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _is_flag(value, num_envs: int) -> bool:
+    """A per-env true/false entry of a step's info (not gymnasium's ``_name`` masks, which the caller skips
+    by name, nor counters or nested dicts)."""
+    dtype = value.dtype if torch.is_tensor(value) or isinstance(value, np.ndarray) else None
+    return dtype in (torch.bool, np.dtype(bool)) and tuple(value.shape) == (num_envs,)
 
 
 def make_env(env_id: str = "PickCube-v1", num_envs: int = 1, **kwargs) -> ManiSkillVecEnv:

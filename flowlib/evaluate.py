@@ -15,7 +15,10 @@ to; rows ``<label>@ah<n>``).  ``--noisy`` runs stage-3 checkpoints with their ex
 ``<label>@noisy``): the policy PPO improves, next to the deterministic one it deploys; their step noise is
 one stream per checkpoint, so those rows depend on ``--num-envs``.  Writes ``results.csv`` (one row per
 checkpoint), ``per_episode.csv`` (success), ``per_episode_return.csv`` and ``summary.json`` under
-``outputs/evaluate/<run_name>/``.
+``outputs/evaluate/<run_name>/``.  Where the task reports more evaluation flags than success (PickCube:
+``is_grasped``, ``is_obj_placed``, ``is_robot_static``), each row also gives the share of episodes in which
+each was true at some step (``<flag>_once``; per episode in ``per_episode_flags.csv``): a failure breakdown,
+e.g. episodes that grasp the cube but never bring it to the goal.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
@@ -106,11 +110,15 @@ def write_report(run_path: Path, results: dict[str, dict], seed: int) -> list[di
         row["success_at_end"] = results[row["policy"]]["success_at_end"]
         row.update({"return": ret["mean"], "return_diff": ret["diff"], "return_diff_se": ret["diff_se"]})
         row["act_horizon"] = results[row["policy"]]["act_horizon"]
+        row.update({f"{name}_once": rate for name, rate in results[row["policy"]].get("flags_once", {}).items()})
     per_episode = pd.DataFrame({name: r["per_episode_success_once"] for name, r in results.items()}).astype(int)
     per_episode.insert(0, "env_seed", seed + per_episode.index)
     per_episode_return = pd.DataFrame({name: r["per_episode_return"] for name, r in results.items()})
     per_episode_return.insert(0, "env_seed", seed + per_episode_return.index)
+    flags = pd.concat([pd.DataFrame({"env_seed": seed + np.arange(len(r["per_episode_success_once"])), "policy": name,
+                                     **r.get("per_episode_flags_once", {})}) for name, r in results.items()])
     save_text(run_path / "results.csv", pd.DataFrame(rows).to_csv(index=False))
+    save_text(run_path / "per_episode_flags.csv", flags.to_csv(index=False))
     save_text(run_path / "per_episode.csv", per_episode.to_csv(index=False))
     save_text(run_path / "per_episode_return.csv", per_episode_return.to_csv(index=False))
     save_json(run_path / "summary.json", {"seed": seed, "rows": rows})
@@ -145,9 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run_path = run_dir("evaluate", args.run_name)
     rows = write_report(run_path, results, args.seed)
-    print(f"{'policy':<40} {'success':>14} {'vs first (paired)':>20}")
+    flags = [k for k in rows[0] if k.endswith("_once")]
+    print(f"{'policy':<40} {'success':>14} {'vs first (paired)':>20}" + "".join(f" {k:>20}" for k in flags))
     for r in rows:
-        print(f"{r['policy']:<40} {r['success']:>7.3f} ± {r['se']:.3f} {r['diff']:>+11.3f} ± {r['diff_se']:.3f}")
+        print(f"{r['policy']:<40} {r['success']:>7.3f} ± {r['se']:.3f} {r['diff']:>+11.3f} ± {r['diff_se']:.3f}"
+              + "".join(f" {r[k]:>20.3f}" for k in flags))
     print(f"-> {run_path}")
     return 0
 

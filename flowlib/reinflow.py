@@ -606,7 +606,7 @@ class ChunkRunner:
     success is worth ``1 + B`` per step against a near-miss's 0.5-0.8; the logged return stays the env's.
     """
 
-    EPISODE_STATE = ("window", "ep_return", "ep_success", "ep_length", "active", "phi")  # what ``save`` keeps
+    EPISODE_STATE = ("window", "ep_return", "ep_success", "ep_flags", "ep_length", "active", "phi")  # what ``save`` keeps
 
     def __init__(self, env, obs_horizon: int, gamma: float, reward: str = "sparse", first_seed: int = 2_000_000,
                  reward_scale: float = 1.0, success_bonus: float = 0.0):
@@ -622,6 +622,8 @@ class ChunkRunner:
         self.window = obs[:, None].repeat(1, obs_horizon, 1)  # [N, To, O]
         self.ep_return = torch.zeros(N)
         self.ep_success = torch.zeros(N, dtype=torch.bool)
+        self.flag_names: list[str] = []  # the env's task flags (``env.task_flags``), known from the first step
+        self.ep_flags = torch.zeros(N, 0, dtype=torch.bool)  # [N, F]: each flag true at some step of the episode
         self.ep_length = torch.zeros(N, dtype=torch.long)
         self.finished: list[dict] = []  # episodes ended since the last ``pop_finished``
         self.env_steps = 0  # simulator steps, summed over envs
@@ -635,7 +637,7 @@ class ChunkRunner:
             seeds, self.next_seed = list(range(self.next_seed, self.next_seed + N)), self.next_seed + N
         obs = self.env.reset(seed=list(seeds)).cpu()
         self.window = obs[:, None].repeat(1, self.obs_horizon, 1)
-        self.ep_return.zero_(), self.ep_success.zero_(), self.ep_length.zero_(), self.phi.zero_()
+        self.ep_return.zero_(), self.ep_success.zero_(), self.ep_flags.zero_(), self.ep_length.zero_(), self.phi.zero_()
         self.active.fill_(True)
 
     def step_chunk(self, actions: torch.Tensor, auto_reset: bool = True) -> dict[str, torch.Tensor]:
@@ -656,6 +658,7 @@ class ChunkRunner:
             reward += alive * discount * (r + extra) * self.reward_scale
             self.ep_return += alive * r
             self.ep_success |= alive & success
+            self._track_flags(alive)
             self.ep_length += alive.long()
             discount = torch.where(alive, discount * self.gamma, discount)
             window = torch.where(alive[:, None, None], torch.cat([window[:, 1:], obs[:, None]], 1), window)
@@ -666,22 +669,30 @@ class ChunkRunner:
         end = self.active & ~alive
         out = {"reward": reward, "discount": discount, "terminal": terminal, "end": end, "next_window": window}
         self.window = window.clone()
+        for i in torch.nonzero(end).squeeze(1).tolist():
+            self.finished.append({"return": float(self.ep_return[i]), "success_once": bool(self.ep_success[i]),
+                                  "length": int(self.ep_length[i]),
+                                  **{f"{name}_once": bool(f) for name, f in zip(self.flag_names, self.ep_flags[i])}})
         if not auto_reset:
-            for i in torch.nonzero(end).squeeze(1).tolist():
-                self.finished.append({"return": float(self.ep_return[i]), "success_once": bool(self.ep_success[i]),
-                                      "length": int(self.ep_length[i])})
             self.active &= ~end
         elif end.any():
-            for i in torch.nonzero(end).squeeze(1).tolist():
-                self.finished.append({"return": float(self.ep_return[i]), "success_once": bool(self.ep_success[i]),
-                                      "length": int(self.ep_length[i])})
             seeds = [0] * N
             for i in torch.nonzero(end).squeeze(1).tolist():
                 seeds[i], self.next_seed = self.next_seed, self.next_seed + 1
             obs = self.env.reset_some(end, seeds).cpu()
             self.window[end] = obs[end][:, None].repeat(1, self.obs_horizon, 1)
             self.ep_return[end], self.ep_success[end], self.ep_length[end], self.phi[end] = 0.0, False, 0, 0.0
+            self.ep_flags[end] = False
         return out
+
+    def _track_flags(self, alive: torch.Tensor) -> None:
+        """OR this step's task flags (``is_grasped``, ...) into the episodes still running."""
+        flags = getattr(self.env, "task_flags", {})
+        if list(flags) != self.flag_names or self.ep_flags.shape[1] != len(flags):  # the first step (also
+            self.flag_names = list(flags)                                            # one rewound to)
+            self.ep_flags = torch.zeros(self.env.num_envs, len(flags), dtype=torch.bool)
+        if flags:
+            self.ep_flags |= alive[:, None] & torch.stack([f.cpu() for f in flags.values()], 1)
 
     def _reward(self, r: torch.Tensor, term: torch.Tensor, success: torch.Tensor, alive: torch.Tensor):
         """One env step's ``(task reward, termination, extra)`` per env under ``self.reward``; ``extra`` is
@@ -1029,12 +1040,15 @@ def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracke
         if episodes:
             row.update({"train/success_once": float(np.mean([e["success_once"] for e in episodes])),
                         "train/return": float(np.mean([e["return"] for e in episodes])),
-                        "train/episode_length": float(np.mean([e["length"] for e in episodes]))})
+                        "train/episode_length": float(np.mean([e["length"] for e in episodes])),
+                        **{f"train/{k}": float(np.mean([e[k] for e in episodes])) for k in episodes[0]
+                           if k.endswith("_once") and k != "success_once"}})
         if cfg.eval_every and (iteration + 1) % cfg.eval_every == 0 and iteration + 1 < num_iters:
             result = bc.evaluate(agent, env, cfg.num_eval_episodes, cfg.num_inference_steps, seed=cfg.val_seed)
             runner.restart()
             row.update({"eval/success_once": result["success_once"], "eval/success_at_end": result["success_at_end"],
-                        "eval/return": result["return"]})
+                        "eval/return": result["return"],
+                        **{f"eval/{name}_once": rate for name, rate in result["flags_once"].items()}})
             if result["success_once"] > best["success_once"]:
                 best = {"success_once": result["success_once"], "env_steps": runner.env_steps}
                 save_agent(run_path / "best_model.pt", agent, actor_opt, critic_opt, cfg, iteration + 1, runner, best)

@@ -252,11 +252,14 @@ plt.show()
 
 # %% [markdown]
 # ## After: the same seeds
+# With PickCube's other evaluation flags, each true at some step of an episode: how many episodes grasp the
+# cube (`is_grasped_once`) and bring it to the goal (`is_obj_placed_once`) on the way to success.
 
 # %%
 after = bc.evaluate(agent, env, cfg.num_eval_episodes, cfg.num_inference_steps, seed=cfg.eval_seed)
-compare = pd.DataFrame([{"policy": "before", **{k: before[k] for k in ("success_once", "success_at_end", "return")}},
-                        {"policy": "after", **{k: after[k] for k in ("success_once", "success_at_end", "return")}}])
+compare = pd.DataFrame([{"policy": name, **{k: r[k] for k in ("success_once", "success_at_end", "return")},
+                         **{f"{flag}_once": rate for flag, rate in r["flags_once"].items()}}  # where failures stop
+                        for name, r in (("before", before), ("after", after))])
 compare.to_csv(run_path / "before_after.csv", index=False)
 compare.round(3)
 

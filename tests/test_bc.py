@@ -133,6 +133,10 @@ def test_physx_gpu_library_out_of_reach_is_a_clear_error(monkeypatch):
     assert sapien.physx.version() in str(info.value) and "ConnectionError" in str(info.value)
 
 
+TASK_FLAGS = {"PickCube-v1": {"is_grasped", "is_obj_placed", "is_robot_static"}, "PushCube-v1": set(),
+              "StackCube-v1": {"is_cubeA_grasped", "is_cubeA_on_cubeB", "is_cubeA_static"}}
+
+
 @pytest.mark.parametrize("env_id", ["PickCube-v1", "PushCube-v1", "StackCube-v1"])
 def test_real_maniskill_env_on_cpu_has_the_batched_interface(env_id):
     with make_env(env_id, 1, max_episode_steps=5) as env:
@@ -143,6 +147,10 @@ def test_real_maniskill_env_on_cpu_has_the_batched_interface(env_id):
             obs, reward, terminated, truncated, success = env.step(torch.zeros(1, 4))
         assert reward.shape == terminated.shape == success.shape == (1,)
         assert truncated.tolist() == [True]  # the time limit, not termination
+        assert set(env.task_flags) == TASK_FLAGS[env_id]  # the task's evaluation flags other than success
+        assert all(f.dtype == torch.bool and f.shape == (1,) for f in env.task_flags.values())
+        if env_id == "PickCube-v1":  # the gripper opened in place: nothing grasped, the arm at rest
+            assert env.task_flags["is_grasped"].tolist() == [False] and env.task_flags["is_robot_static"].tolist() == [True]
         with pytest.raises(ValueError, match=r"action must be \[1, 4\]"):
             env.step(torch.zeros(1, 3))
 
@@ -154,6 +162,36 @@ def test_policy_rolls_in_a_real_pickcube_env(tmp_path):
         result = bc.evaluate(policy, env, num_episodes=1, num_inference_steps=2, seed=0)
     assert set(result) >= {"success_once", "success_at_end", "return", "env_steps_per_s"}
     assert result["episodes"] == 1 and 0 <= result["success_at_end"] <= result["success_once"] <= 1
+
+
+class FlagsAtStep:
+    """Two scripted envs of 4 steps whose task flag ``is_grasped`` is true at one step of env 0 only."""
+
+    num_envs, device, max_episode_steps = 2, torch.device("cpu"), 4
+
+    def __init__(self, at: int):
+        self.at, self.t, self.task_flags = at, 0, {}
+
+    def reset(self, seed=None):
+        self.t = 0
+        return torch.zeros(2, OBS_DIM)
+
+    def step(self, action):
+        self.t += 1
+        self.task_flags = {"is_grasped": torch.tensor([self.t == self.at, False])}
+        no = torch.zeros(2, dtype=torch.bool)
+        return torch.zeros(2, OBS_DIM), torch.zeros(2), no, torch.full((2,), self.t == 4), no
+
+
+def test_evaluate_counts_a_task_flag_once_per_episode(tmp_path):
+    """A flag true at a single step counts for its episode; the unused env of the last batch is dropped."""
+    policy, _ = bc.train(tiny_cfg(train_steps=2), ChunkDataset(random_episodes(), 2, 16), tmp_path)
+    for at in (2, 4):  # mid-chunk and the episode's last step
+        result = bc.evaluate(policy, FlagsAtStep(at), num_episodes=3, num_inference_steps=2)
+        assert result["per_episode_flags_once"] == {"is_grasped": [True, False, True]}
+        assert result["flags_once"] == {"is_grasped": pytest.approx(2 / 3)}
+    never = bc.evaluate(policy, FlagsAtStep(5), num_episodes=3, num_inference_steps=2)
+    assert never["flags_once"] == {"is_grasped": 0.0}
 
 
 def test_noisy_rollouts_are_recorded_as_episodes(tmp_path):

@@ -27,6 +27,12 @@ def test_two_runs_of_one_policy_score_the_same_episodes(tmp_path, monkeypatch, c
     assert len(returns) == 3
     assert sum(float(r["a/best_model.pt"]) for r in returns) / 3 == pytest.approx(float(rows[0]["return"]))
     assert "a/best_model.pt" in capsys.readouterr().out
+    for flag in ("is_grasped", "is_obj_placed", "is_robot_static"):  # PickCube's failure breakdown
+        assert rows[0][f"{flag}_once"] == rows[1][f"{flag}_once"]
+    flags = list(csv.DictReader(open(out / "per_episode_flags.csv")))
+    assert len(flags) == 6 and flags[0]["env_seed"] == "20000" and flags[0]["policy"] == "a/best_model.pt"
+    placed = [r["is_obj_placed"] == "True" for r in flags[:3]]
+    assert sum(placed) / 3 == pytest.approx(float(rows[0]["is_obj_placed_once"]))
 
 
 def test_missing_and_foreign_checkpoints_are_named(tmp_path, capsys):

@@ -340,6 +340,8 @@ def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, 
     assert {"policy_loss", "value_loss", "approx_kl", "clip_frac", "explained_variance", "noise_std",
             "rollout_time", "update_time", "env_steps_per_s"} <= set(rows[-1])
     assert "eval/success_once" in rows[0] and rows[-1]["episodes"] >= 1  # 20-step episodes end within an iteration
+    # PickCube's failure breakdown, in training (noise on) and in the periodic evaluations
+    assert {"train/is_grasped_once", "train/is_obj_placed_once", "eval/is_grasped_once"} <= set(rows[0])
     assert eval_seeds == [cfg.val_seed]  # after iteration 1 (not after the last one)
     assert any(not torch.equal(a, b) for a, b in zip(before, agent.policy_parameters()))
     ckpt = reinflow.read_agent_checkpoint(tmp_path / "run" / "last.pt")
@@ -397,7 +399,10 @@ def test_an_episode_ending_inside_a_chunk_is_handled_with_one_env_and_with_sever
         second = runner.step_chunk(actions)
         assert not first["end"].any() and second["end"].all() and not second["terminal"].any()
         assert torch.allclose(second["discount"], torch.full((num_envs,), 0.9 ** 2))  # tau = 2 steps ran
-        assert [e["length"] for e in runner.pop_finished()] == [10] * num_envs
+        finished = runner.pop_finished()
+        assert [e["length"] for e in finished] == [10] * num_envs
+        # the arm held still and grasped nothing: the task flags reached the episode records
+        assert all(e["is_robot_static_once"] and not e["is_grasped_once"] for e in finished)
         third = runner.step_chunk(actions)  # the reset envs run on
         assert not third["end"].any()
 
