@@ -244,7 +244,7 @@ def evaluate(policy: FlowPolicy, env, num_episodes: int, num_inference_steps: in
                 ep_once |= success.cpu()
                 ep_return += reward.cpu()
                 for name, flag in getattr(env, "task_flags", {}).items():
-                    ep_flags[name] = ep_flags.get(name, torch.zeros(env.num_envs, dtype=torch.bool)) | flag.cpu()
+                    ep_flags[name] = ep_flags.get(name, False) | flag.cpu()
                 t += 1
                 steps += env.num_envs
                 if record:
