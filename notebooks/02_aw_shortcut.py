@@ -64,7 +64,7 @@ from flowlib.tracking import Tracker, start_run
 # Defaults: the small CPU run (minutes), starting from notebook 01's default checkpoint.
 # Longer runs: params/02_aw_shortcut/cpu.yaml (2 CPU cores) and gpu.yaml.
 seed = 0
-stage1_checkpoint = ""  # relative to outputs/; "" = 01_shortcut_bc/default/best_model.pt
+stage1_checkpoint = ""  # relative to outputs/; empty means 01_shortcut_bc/default/best_model.pt
 env_id = "PickCube-v1"
 num_demos = 20
 demo_file = ""

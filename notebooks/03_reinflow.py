@@ -111,7 +111,7 @@ from flowlib.tracking import start_run
 seed = 0
 init_checkpoint = ""
 env_id = "PickCube-v1"
-act_horizon = 0  # actions executed per chunk decision; 0 = the checkpoint's own
+act_horizon = 0  # actions executed per chunk decision; 0 means the checkpoint's own
 num_envs = 2
 max_episode_steps = 100
 backend = "auto"

@@ -49,3 +49,20 @@ def test_parameters_cell_matches_the_config_dataclass(py):
     defaults = {k: v for k, v in namespace.items() if not k.startswith("__")}
     assert defaults == dataclasses.asdict(config_class(py.stem)()), (
         "the parameters cell and the config dataclass defaults must agree")
+
+
+@pytest.mark.parametrize("py", SOURCES, ids=IDS)
+def test_papermill_parses_every_parameter(py):
+    """papermill reads the parameters cell line by line; a line it cannot parse (e.g. an ``=`` inside the
+    comment) drops that parameter from ``papermill --help-notebook`` and makes every run that sets it warn
+    'Passed unknown parameter', although the value is injected."""
+    from papermill.translators import PythonTranslator
+
+    nb = jupytext.read(py)
+    cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    parsed = {p.name for p in PythonTranslator.inspect(cell)}
+    namespace: dict = {}
+    exec(cell.source, namespace)
+    unparsed = sorted(k for k in namespace if not k.startswith("__") and k not in parsed)
+    assert not unparsed, (f"{py.name}: papermill cannot parse the parameters-cell lines of {unparsed}; "
+                          "keep '=' out of their trailing comments")
