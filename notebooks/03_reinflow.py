@@ -229,8 +229,9 @@ print(f"before fine-tuning: success_once {before['success_once']:.2f}, success_a
 
 # %%
 t0 = time.time()
+trained_before = tracker.rows[-1]["wall_time"] if tracker.rows else 0.0  # a resumed run: its earlier sessions
 out = reinflow.train(cfg, agent, env, run_path, tracker)
-train_time = time.time() - t0
+train_time = trained_before + time.time() - t0
 history = pd.DataFrame(tracker.rows)
 print(f"{out['iterations']} iterations, {out['env_steps']} env steps in {train_time:.0f}s")
 history.filter(["step", "iteration", "critic_warmup", "max_noise_std", "value_loss", "policy_loss", "approx_kl",
