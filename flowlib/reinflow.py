@@ -483,6 +483,17 @@ class ReinFlowConfig:
     steer: str = "chain"
     latent_bound: float = 2.5           # steer "latent": |mu(o)| <= latent_bound per dim of x_0
     latent_hidden_dims: list[int] = dataclasses.field(default_factory=lambda: [256, 256])
+    # how steer "latent" learns pi(x_0 | o): "ppo" (on-policy: the PPO fields below) or "sac" (flowlib.latent_sac,
+    # DSRL's learner: soft actor-critic over x_0 from a replay buffer, a twin Q(o, x_0) of value_hidden_dims,
+    # actor_lr / critic_lr, the policy frozen while the Q nets warm up for critic_warmup_steps)
+    learner: str = "ppo"
+    sac_batch_size: int = 256
+    sac_updates_per_decision: float = 1.0  # gradient steps per stored decision (one per env and decision): the UTD
+    sac_buffer_size: int = 200_000      # decisions kept in the replay buffer (the oldest are dropped)
+    sac_tau: float = 0.005              # Polyak rate of the target Q nets
+    sac_init_alpha: float = 1.0         # weight of KL(pi(x_0 | o) || N(0, I)) per dim in the actor's loss, at the start
+    sac_alpha_lr: float = 3.0e-3        # 0: alpha stays at sac_init_alpha
+    sac_target_kl: float = 0.1          # alpha moves so that the KL to the stage-1 policy's N(0, I) is this, per dim
     # the noise method (flowlib.flow_sde; notebook 04)
     noise_method: str = "reinflow"      # reinflow / flow_noise (learned std) / flow_sde / flow_cps (noise_level a)
     noise_level: float = 0.5            # a of flow_sde / flow_cps; scaled by the noise schedule like max_noise_std
@@ -568,6 +579,16 @@ class ReinFlowConfig:
             (self.noise_method in METHODS, f"noise_method must be one of {METHODS}, got {self.noise_method!r}"),
             (self.steer in STEER, f"steer must be one of {STEER}, got {self.steer!r}"),
             (self.latent_bound > 0, f"latent_bound must be > 0, got {self.latent_bound}"),
+            (self.learner in LEARNERS, f"learner must be one of {LEARNERS}, got {self.learner!r}"),
+            (self.learner != "sac" or self.steer == "latent",
+             f"learner 'sac' learns a policy over x_0: it needs steer 'latent' (got steer {self.steer!r})"),
+            (self.sac_batch_size >= 1 and self.sac_updates_per_decision > 0,
+             "sac_batch_size must be >= 1 and sac_updates_per_decision > 0"),
+            (self.sac_buffer_size >= self.sac_batch_size,
+             f"sac_buffer_size ({self.sac_buffer_size}) must hold at least one batch ({self.sac_batch_size})"),
+            (0 < self.sac_tau <= 1, f"sac_tau must be in (0, 1], got {self.sac_tau}"),
+            (self.sac_init_alpha > 0 and self.sac_alpha_lr >= 0 and self.sac_target_kl > 0,
+             "need sac_init_alpha > 0, sac_alpha_lr >= 0 (0: fixed alpha) and sac_target_kl > 0"),
             (self.steer != "latent" or self.branches == 1,
              f"steer 'latent' cannot branch (branches {self.branches}): the branches share x_0, which is all it draws; "
              f"use branches: 1 with another advantage"),
@@ -598,6 +619,7 @@ class ReinFlowConfig:
 
 REWARDS = ("sparse", "dense", "shaped")
 STEER = ("chain", "latent")  # what PPO moves: the velocity net through the noisy chain, or x_0 (flowlib.latent)
+LEARNERS = ("ppo", "sac")  # how steer "latent" learns: PPO (flowlib.latent) or SAC from a replay (flowlib.latent_sac)
 
 
 class ChunkRunner:
@@ -874,10 +896,13 @@ def _agent(policy, cfg: ReinFlowConfig) -> ReinFlowAgent:
                   noise_method=cfg.noise_method, hybrid=cfg.hybrid, noise_corr=cfg.noise_corr)
     if cfg.steer == "latent":
         from .latent import LatentSteeringAgent  # it subclasses ReinFlowAgent
+        from .latent_sac import LatentSACAgent
 
-        return LatentSteeringAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
-                                   tuple(cfg.value_hidden_dims), cfg.latent_bound, tuple(cfg.latent_hidden_dims),
-                                   **common)
+        args = (policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std, tuple(cfg.value_hidden_dims),
+                cfg.latent_bound, tuple(cfg.latent_hidden_dims))
+        if cfg.learner == "sac":
+            return LatentSACAgent(*args, init_alpha=cfg.sac_init_alpha, **common)
+        return LatentSteeringAgent(*args, **common)
     return ReinFlowAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
                          tuple(cfg.value_hidden_dims), noise_level=cfg.noise_level, **common)
 
@@ -900,11 +925,12 @@ def build_agent(cfg: ReinFlowConfig, path: Path, spec=None) -> tuple[ReinFlowAge
 
 
 def save_agent(path: Path, agent: ReinFlowAgent, actor_opt, critic_opt, cfg: ReinFlowConfig, iteration: int,
-               runner: ChunkRunner, best: dict) -> Path:
+               runner: ChunkRunner, best: dict, **extra) -> Path:
+    """The checkpoint (atomic): weights, optimisers, config, progress, RNG, and ``extra`` (SAC's replay buffer)."""
     return save_torch({"format": CHECKPOINT_FORMAT, "meta": agent.meta, "config": dataclasses.asdict(cfg),
                        "agent": agent.state_dict(), "actor_opt": actor_opt.state_dict(),
                        "critic_opt": critic_opt.state_dict(), "iteration": iteration, "env_steps": runner.env_steps,
-                       "next_seed": runner.next_seed, "best": best, "rng": torch.get_rng_state()}, path)
+                       "next_seed": runner.next_seed, "best": best, "rng": torch.get_rng_state(), **extra}, path)
 
 
 def read_agent_checkpoint(path: str | Path) -> dict:
@@ -979,15 +1005,49 @@ def in_critic_warmup(steps_before: int, cfg: ReinFlowConfig) -> bool:
     return steps_before < cfg.critic_warmup_steps
 
 
-def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracker=None) -> dict:
-    """ReinFlow: PPO on the noisy denoising chain, chunks as a semi-MDP (ReinFlow Alg. 1).
+def episode_stats(episodes: list[dict]) -> dict[str, float]:
+    """The ``train/...`` means of a log row over the episodes that ended (``ChunkRunner.pop_finished``)."""
+    if not episodes:
+        return {}
+    return {"train/success_once": float(np.mean([e["success_once"] for e in episodes])),
+            "train/return": float(np.mean([e["return"] for e in episodes])),
+            "train/episode_length": float(np.mean([e["length"] for e in episodes])),
+            **{f"train/{k}": float(np.mean([e[k] for e in episodes])) for k in episodes[0]
+               if k.endswith("_once") and k != "success_once"}}
 
-    Each iteration: set ``max_noise_std`` from the schedule, collect ``rollout_steps`` decisions
-    per env, GAE, then PPO (value net only in iterations that start before ``critic_warmup_steps``).  Every
-    ``eval_every`` iterations the deterministic chain is evaluated on ``val_seed`` episodes, which pick
-    ``best_model.pt`` (the training episodes restart afterwards); ``eval_seed`` stays for the report.
-    ``last.pt`` (atomic) every ``ckpt_every`` iterations; with ``resume`` a run continues from it.  Returns ``{"best": ..., "iterations": ...}``.
-    """
+
+def validate(agent: ReinFlowAgent, env, cfg: ReinFlowConfig, runner: ChunkRunner, row: dict) -> float:
+    """The periodic evaluation of the deterministic policy on the ``val_seed`` episodes (they pick
+    ``best_model.pt``): adds ``eval/...`` to ``row``, restarts the training episodes, returns success_once."""
+    result = bc.evaluate(agent, env, cfg.num_eval_episodes, cfg.num_inference_steps, seed=cfg.val_seed)
+    runner.restart()
+    row.update({"eval/success_once": result["success_once"], "eval/success_at_end": result["success_at_end"],
+                "eval/return": result["return"],
+                **{f"eval/{name}_once": rate for name, rate in result["flags_once"].items()}})
+    return result["success_once"]
+
+
+def end_iteration(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, runner: ChunkRunner, row: dict, best: dict,
+                  iteration: int, num_iters: int, run_path: Path, actor_opt, critic_opt, tracker=None,
+                  extra=None) -> dict:
+    """What ends an iteration after its update: every ``eval_every`` iterations the validation (``best_model.pt``
+    when it beats ``best``), the log row, and every ``ckpt_every`` iterations ``last.pt``, with what ``extra()``
+    returns in it (SAC's replay buffer).  Returns ``best``, updated."""
+    if cfg.eval_every and (iteration + 1) % cfg.eval_every == 0 and iteration + 1 < num_iters:
+        success = validate(agent, env, cfg, runner, row)
+        if success > best["success_once"]:
+            best = {"success_once": success, "env_steps": runner.env_steps}
+            save_agent(run_path / "best_model.pt", agent, actor_opt, critic_opt, cfg, iteration + 1, runner, best)
+    if tracker is not None:
+        tracker.log(row, runner.env_steps)
+    if (iteration + 1) % cfg.ckpt_every == 0 or iteration + 1 == num_iters:
+        save_agent(run_path / "last.pt", agent, actor_opt, critic_opt, cfg, iteration + 1, runner, best,
+                   **(extra() if extra else {}))
+    return best
+
+
+def prepare_run(cfg: ReinFlowConfig, agent: ReinFlowAgent, run_path: Path) -> Path:
+    """The run folder, the global seed, and the agent on the GPU when there is one."""
     run_path = Path(run_path)
     run_path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -998,18 +1058,22 @@ def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracke
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_tf32 = False
     agent.to(device)
-    # Adam rescales each coordinate by its own gradient noise; SGD keeps the gradient's direction
-    optimizer = torch.optim.Adam if cfg.actor_optimizer == "adam" else torch.optim.SGD
-    actor_opt = optimizer(agent.policy_parameters(), lr=cfg.actor_lr)
-    critic_opt = torch.optim.Adam(agent.value_parameters(), lr=cfg.critic_lr)
-    per_iter = env_steps_per_iteration(cfg, env.num_envs, agent.act_horizon)
-    num_iters = max(1, math.ceil(cfg.total_env_steps / per_iter))
-    start, next_seed, env_steps, best = 0, cfg.train_seed, 0, {"success_once": -1.0, "env_steps": 0}
-    last = run_path / "last.pt"
+    return run_path
+
+
+def resume(cfg: ReinFlowConfig, agent: ReinFlowAgent, last: Path, actor_opt, critic_opt, env, tracker=None):
+    """``(iteration, runner, best, checkpoint)`` to go on from: ``last`` when ``cfg.resume`` and it exists (agent,
+    optimisers, RNG, env seeds and the tracker rewound to it; ``checkpoint`` is its dict), else a fresh start
+    (``checkpoint`` None)."""
+    start, next_seed, env_steps, best, ckpt = 0, cfg.train_seed, 0, {"success_once": -1.0, "env_steps": 0}, None
     if cfg.resume and last.exists():
         ckpt = read_agent_checkpoint(last)
         if ckpt["meta"] != agent.meta:
             raise ValueError(f"{last} belongs to another policy; use another run_name or resume=False")
+        was = {k: ckpt["config"].get(k, default) for k, default in (("steer", "chain"), ("learner", "ppo"))}
+        if was != {"steer": cfg.steer, "learner": cfg.learner}:
+            raise ValueError(f"{last} is a run with {was}, this one has steer {cfg.steer!r} and learner "
+                             f"{cfg.learner!r}: use another run_name or resume=False")
         agent.load_state_dict(ckpt["agent"])
         actor_opt.load_state_dict(ckpt["actor_opt"])
         critic_opt.load_state_dict(ckpt["critic_opt"])
@@ -1021,6 +1085,31 @@ def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracke
     runner = ChunkRunner(env, agent.obs_horizon, cfg.gamma, cfg.reward, first_seed=next_seed,
                          reward_scale=cfg.reward_scale, success_bonus=cfg.success_bonus)
     runner.env_steps = env_steps
+    return start, runner, best, ckpt
+
+
+def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracker=None) -> dict:
+    """ReinFlow: PPO on the noisy denoising chain, chunks as a semi-MDP (ReinFlow Alg. 1).
+
+    Each iteration: set ``max_noise_std`` from the schedule, collect ``rollout_steps`` decisions
+    per env, GAE, then PPO (value net only in iterations that start before ``critic_warmup_steps``).  Every
+    ``eval_every`` iterations the deterministic chain is evaluated on ``val_seed`` episodes, which pick
+    ``best_model.pt`` (the training episodes restart afterwards); ``eval_seed`` stays for the report.
+    ``last.pt`` (atomic) every ``ckpt_every`` iterations; with ``resume`` a run continues from it.  Returns ``{"best": ..., "iterations": ...}``.
+    """
+    if cfg.learner == "sac":
+        from .latent_sac import train as train_sac  # it imports this module
+
+        return train_sac(cfg, agent, env, run_path, tracker)
+    run_path = prepare_run(cfg, agent, run_path)
+    # Adam rescales each coordinate by its own gradient noise; SGD keeps the gradient's direction
+    optimizer = torch.optim.Adam if cfg.actor_optimizer == "adam" else torch.optim.SGD
+    actor_opt = optimizer(agent.policy_parameters(), lr=cfg.actor_lr)
+    critic_opt = torch.optim.Adam(agent.value_parameters(), lr=cfg.critic_lr)
+    per_iter = env_steps_per_iteration(cfg, env.num_envs, agent.act_horizon)
+    num_iters = max(1, math.ceil(cfg.total_env_steps / per_iter))
+    last = run_path / "last.pt"
+    start, runner, best, _ = resume(cfg, agent, last, actor_opt, critic_opt, env, tracker)
     gen = torch.Generator().manual_seed(cfg.seed * 100_003 + start)
     bar = tqdm(total=num_iters, initial=start, desc="ReinFlow", mininterval=10)
     for iteration in range(start, num_iters):
@@ -1054,25 +1143,9 @@ def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracke
                "explained_variance": explained_variance(buf.values[buf.weights > 0], returns[buf.weights > 0]), **stats}
         if "entropy" in stats:  # geometric-mean noise std from the Gaussian entropy
             row["noise_std"] = math.exp(stats["entropy"] - 0.5 * (1 + LOG_2PI))
-        if episodes:
-            row.update({"train/success_once": float(np.mean([e["success_once"] for e in episodes])),
-                        "train/return": float(np.mean([e["return"] for e in episodes])),
-                        "train/episode_length": float(np.mean([e["length"] for e in episodes])),
-                        **{f"train/{k}": float(np.mean([e[k] for e in episodes])) for k in episodes[0]
-                           if k.endswith("_once") and k != "success_once"}})
-        if cfg.eval_every and (iteration + 1) % cfg.eval_every == 0 and iteration + 1 < num_iters:
-            result = bc.evaluate(agent, env, cfg.num_eval_episodes, cfg.num_inference_steps, seed=cfg.val_seed)
-            runner.restart()
-            row.update({"eval/success_once": result["success_once"], "eval/success_at_end": result["success_at_end"],
-                        "eval/return": result["return"],
-                        **{f"eval/{name}_once": rate for name, rate in result["flags_once"].items()}})
-            if result["success_once"] > best["success_once"]:
-                best = {"success_once": result["success_once"], "env_steps": runner.env_steps}
-                save_agent(run_path / "best_model.pt", agent, actor_opt, critic_opt, cfg, iteration + 1, runner, best)
-        if tracker is not None:
-            tracker.log(row, runner.env_steps)
-        if (iteration + 1) % cfg.ckpt_every == 0 or iteration + 1 == num_iters:
-            save_agent(last, agent, actor_opt, critic_opt, cfg, iteration + 1, runner, best)
+        row.update(episode_stats(episodes))
+        best = end_iteration(cfg, agent, env, runner, row, best, iteration, num_iters, run_path, actor_opt, critic_opt,
+                             tracker)
         bar.update()
     bar.close()
     agent.eval()
