@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from .flow_sde import LOG_2PI, gaussian_log_prob
+from .flow_sde import LOG_2PI
 from .latent import LatentSteeringAgent
 from .reinflow import (ChunkRunner, ReinFlowConfig, end_iteration, episode_stats, noise_schedule, prepare_run,
                        resume)
@@ -91,11 +91,10 @@ class LatentSACAgent(LatentSteeringAgent):
         return list(self.q.parameters())
 
     def rsample(self, o: torch.Tensor, eps: torch.Tensor):
-        """Reparameterised ``w = mu(o) + sigma eps`` and ``log pi(w | o) / D``: normalised ``o [B, To, O]``,
-        ``eps [B, H, A]`` -> ``w [B, D]``, ``[B]``."""
+        """Reparameterised ``w = mu(o) + sigma eps`` and the Gaussian's ``mu, sigma``: normalised ``o [B, To, O]``,
+        ``eps [B, H, A]`` -> ``w [B, D]``, ``mu, sigma [B, H, A]``."""
         mu, sigma = self._latent(o)
-        w = mu + sigma * eps
-        return w.flatten(1), gaussian_log_prob(w, mu, sigma) / self.latent_dim
+        return (mu + sigma * eps).flatten(1), mu, sigma
 
     @torch.no_grad()
     def update_target(self, tau: float) -> None:
@@ -164,7 +163,7 @@ def sac_update(agent: LatentSACAgent, batch: dict[str, torch.Tensor], actor_opt,
     o, o_next = agent._norm_obs(b["obs"]), agent._norm_obs(b["next_obs"])
     alpha = agent.log_alpha.exp().detach()
     with torch.no_grad():
-        w_next, _ = agent.rsample(o_next, torch.randn_like(b["latent"]))
+        w_next, *_ = agent.rsample(o_next, torch.randn_like(b["latent"]))
         q_next = agent.q_target(o_next.flatten(1), w_next).min(0).values
         y = b["reward"] + b["bootstrap"] * q_next                                      # [B]
     q = agent.q(o.flatten(1), b["latent"].flatten(1))                                     # [2, B]
@@ -175,9 +174,8 @@ def sac_update(agent: LatentSACAgent, batch: dict[str, torch.Tensor], actor_opt,
     critic_opt.step()
     stats = {"value_loss": q_loss.item() / 2, "q": q.mean().item(), "target": y.mean().item()}
     if train_policy:
-        w, lp = agent.rsample(o, torch.randn_like(b["latent"]))
+        w, mu, sigma = agent.rsample(o, torch.randn_like(b["latent"]))                  # [B, D], [B, H, A] x2
         q_pi = agent.q(o.flatten(1), w).min(0).values
-        mu, sigma = agent._latent(o)
         kl = prior_kl(mu, sigma)                                                          # [B]
         actor_loss = (alpha * kl - q_pi).mean()
         alpha_loss = -(agent.log_alpha.exp() * (kl.detach() - cfg.sac_target_kl)).mean()
@@ -185,7 +183,8 @@ def sac_update(agent: LatentSACAgent, batch: dict[str, torch.Tensor], actor_opt,
         (actor_loss + alpha_loss).backward()  # disjoint parameters: kl is detached in alpha_loss, alpha in actor_loss
         nn.utils.clip_grad_norm_(agent.policy_parameters(), cfg.max_grad_norm)
         actor_opt.step()
-        stats.update({"policy_loss": actor_loss.item(), "kl": kl.mean().item(), "entropy": -lp.mean().item(),
+        stats.update({"policy_loss": actor_loss.item(), "kl": kl.mean().item(),
+                      "entropy": (0.5 * (1 + LOG_2PI) + sigma.log()).mean().item(),  # per dim, closed form
                       "mu_rms": mu.pow(2).mean().sqrt().item()})
     agent.update_target(cfg.sac_tau)
     return stats

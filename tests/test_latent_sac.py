@@ -71,7 +71,7 @@ def test_the_critics_fit_the_soft_smdp_target_and_bootstrap_only_where_told():
     torch.manual_seed(3)
     with torch.no_grad():
         o_next = agent._norm_obs(obs.flip(0))
-        w_next, _ = agent.rsample(o_next, torch.randn_like(latent))
+        w_next, *_ = agent.rsample(o_next, torch.randn_like(latent))
         expected = reward + 0.9 * agent.q_target(o_next.flatten(1), w_next).min(0).values
     torch.manual_seed(3)
     out = sac_update(agent, batch_of(obs, latent, reward, torch.full((5,), 0.9)), actor_opt, critic_opt, cfg, False)
