@@ -1,6 +1,6 @@
-"""DSRL-SAC over x_0 (flowlib.latent_sac): the replay ring, the soft SMDP target, the actor moving toward the
-latents that paid with the flow untouched, the temperature following its entropy target, and a real PickCube run
-that resumes with its replay buffer."""
+"""DSRL-SAC over x_0 (flowlib.latent_sac): the replay ring, the SMDP target of the twin critics, the actor moving
+toward the latents that paid with the flow untouched, the closed-form KL to N(0, I), the temperature following its
+KL target, and a real PickCube run that resumes with its replay buffer."""
 import math
 
 import pytest
@@ -52,7 +52,7 @@ def test_the_replay_is_a_ring_that_drops_the_oldest_and_saves_what_it_holds():
         ReplayBuffer(5, (2, 3), (4, 2)).sample(2)
 
 
-def test_the_critics_fit_the_soft_smdp_target_and_bootstrap_only_where_told():
+def test_the_critics_fit_the_smdp_target_and_bootstrap_only_where_told():
     agent, obs = sac_agent()
     cfg = reinflow.ReinFlowConfig(**SAC, critic_lr=3e-3, sac_tau=1.0)
     actor_opt, critic_opt = optimizers(agent, cfg)
