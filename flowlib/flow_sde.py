@@ -104,6 +104,12 @@ def transition(method: str, x: torch.Tensor, velocity: torch.Tensor, t, dt: floa
     return s * data_hat + (1 - s) * math.cos(angle) * noise_hat, (1 - s) * math.sin(angle)
 
 
+def gaussian_entropy(std: torch.Tensor) -> torch.Tensor:
+    """Mean entropy per dim of a diagonal Gaussian, ``[B, ...]`` std -> ``[B]``: ``1/2 (1 + log 2 pi) + log std``
+    averaged over the dims (the mean does not enter)."""
+    return (0.5 * (1 + LOG_2PI) + torch.log(std)).flatten(1).mean(1)
+
+
 def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, corr: float = 0.0) -> torch.Tensor:
     """``sum log N(x; mean, std^2)`` over every non-batch dim: ``[B, ...] -> [B]``.
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .flow_sde import LOG_2PI, gaussian_log_prob
+from .flow_sde import gaussian_entropy, gaussian_log_prob
 from .nets import mlp
 from .reinflow import ReinFlowAgent
 
@@ -110,5 +110,4 @@ class LatentSteeringAgent(ReinFlowAgent):
         mu, sigma = self._latent(self._norm_obs(obs_window))
         lp = gaussian_log_prob(chain[:, 0], mu, sigma) * stochastic[:, 0]
         step_lp = torch.cat([lp[:, None], torch.zeros(B, self.K - 1, device=chain.device)], 1)
-        entropy = (0.5 * (1 + LOG_2PI) + torch.log(sigma)).flatten(1).mean(1)
-        return step_lp, entropy
+        return step_lp, gaussian_entropy(sigma)

@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from .flow_sde import LOG_2PI
+from .flow_sde import gaussian_entropy
 from .latent import LatentSteeringAgent
 from .reinflow import (ChunkRunner, ReinFlowConfig, end_iteration, episode_stats, noise_schedule, prepare_run,
                        resume)
@@ -184,7 +184,7 @@ def sac_update(agent: LatentSACAgent, batch: dict[str, torch.Tensor], actor_opt,
         nn.utils.clip_grad_norm_(agent.policy_parameters(), cfg.max_grad_norm)
         actor_opt.step()
         stats.update({"policy_loss": actor_loss.item(), "kl": kl.mean().item(),
-                      "entropy": (0.5 * (1 + LOG_2PI) + sigma.log()).mean().item(),  # per dim, closed form
+                      "entropy": gaussian_entropy(sigma).mean().item(),
                       "mu_rms": mu.pow(2).mean().sqrt().item()})
     agent.update_target(cfg.sac_tau)
     return stats

@@ -43,8 +43,8 @@ from tqdm import tqdm
 
 from . import bc, config, ppo
 from .config import require
-from .flow_sde import (LEARNED_NOISE, LOG_2PI, METHODS, check_method, full_mask, gaussian_log_prob, hybrid_mask,
-                       sample_chain, stochastic_steps, transition)
+from .flow_sde import (LEARNED_NOISE, LOG_2PI, METHODS, check_method, full_mask, gaussian_entropy, gaussian_log_prob,
+                       hybrid_mask, sample_chain, stochastic_steps, transition)
 from .flows import time_grid
 from .nets import SinusoidalEmbedding, mlp
 from .ppo import explained_variance, gae, ppo_update  # noqa: F401  (the PPO toolkit lives in flowlib.ppo)
@@ -363,7 +363,7 @@ class ReinFlowAgent(nn.Module):
         std = torch.as_tensor(std, dtype=x.dtype, device=x.device).expand_as(x)
         lp = self._step_log_prob(x_next, mean, std, k)                                              # [P]
         # [P] (std is shared over H); noise_corr only adds a constant, left out so noise_std reads as sigma
-        ent = (0.5 * (1 + LOG_2PI) + torch.log(std)).flatten(1).mean(1)
+        ent = gaussian_entropy(std)
         step_lp = torch.zeros(B, K, device=chain.device, dtype=lp.dtype).index_put((b, k), lp)
         entropy = torch.zeros(B, device=chain.device).index_add(0, b, ent) / stochastic.sum(1).clamp(min=1)
         return step_lp, entropy

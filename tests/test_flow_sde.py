@@ -174,6 +174,12 @@ def test_correlated_log_prob_equals_a_multivariate_normal_along_the_chunk(n, rho
     assert torch.allclose(flow_sde.gaussian_log_prob(x, mean, std, rho).double(), expected, rtol=1e-5, atol=1e-4)
 
 
+
+def test_gaussian_entropy_is_the_per_dim_mean_of_torchs_normal_entropy():
+    std = 0.05 + torch.rand(6, 16, 4)
+    expected = torch.distributions.Normal(torch.zeros_like(std), std).entropy().flatten(1).mean(1)  # [6]
+    assert torch.allclose(flow_sde.gaussian_entropy(std), expected, atol=1e-6)
+
 def test_correlated_noise_has_the_asked_correlation_and_a_bad_one_is_rejected():
     eps = flow_sde.correlated_noise((20_000, 8, 4), 0.9, torch.Generator().manual_seed(0))
     c = torch.corrcoef(eps[:, :, 0].T)  # [8, 8] over the chunk's steps
