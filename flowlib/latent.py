@@ -35,32 +35,40 @@ class LatentSteeringAgent(ReinFlowAgent):
     has no meaning here: hybrid sampling, the initial-noise term, correlated chain noise and SDE methods.
     """
 
+    STEER = "latent"  # the config's name for it
+
     def __init__(self, policy, num_inference_steps: int = 8, min_noise_std: float = 0.05, max_noise_std: float = 1.0,
                  value_hidden_dims: tuple[int, ...] = (256, 256), latent_bound: float = 2.5,
                  latent_hidden: tuple[int, ...] = (256, 256), **kwargs):
         for key, default in (("hybrid", False), ("include_initial_noise", False), ("noise_corr", 0.0),
                              ("noise_method", "reinflow"), ("log_prob_over", "chunk")):
             if kwargs.get(key, default) != default:
-                raise ValueError(f"steer 'latent' draws only x_0 (the chain is the ODE): {key} must be {default!r}, "
+                raise ValueError(f"steer {self.STEER!r} draws one Gaussian per decision (the chain is the ODE): "
+                                 f"{key} must be {default!r}, "
                                  f"got {kwargs[key]!r}")
         if not latent_bound > 0:
             raise ValueError(f"latent_bound must be > 0, got {latent_bound}")
         super().__init__(policy, num_inference_steps, min_noise_std, max_noise_std, value_hidden_dims, **kwargs)
         self.actor.base.requires_grad_(False)  # the flow stays as stage 1/2 left it
         self.latent_bound = float(latent_bound)
-        D = self.pred_horizon * self.action_dim
-        self.latent_net = mlp([self.obs_horizon * self.obs_dim, *latent_hidden, D], act=nn.Mish)
+        n_in, D = self._head_sizes()
+        self.latent_net = mlp([n_in, *latent_hidden, D], act=nn.Mish)
         nn.init.zeros_(self.latent_net[-1].weight)
         nn.init.zeros_(self.latent_net[-1].bias)  # mu = 0 at the start: the stage-1 policy's own x_0
         self.latent_std_logit = nn.Parameter(torch.full((D,), 3.0))  # sigma ~ 0.95 max_noise_std at the start
         self.register_buffer("latent_std_range", torch.tensor([float(min_noise_std), float(max_noise_std)]))
 
-    def _latent(self, o: torch.Tensor):  # normalised [B, To, O] -> mu, sigma, each [B, H, A]
-        shape = (o.shape[0], self.pred_horizon, self.action_dim)
-        mu = self.latent_bound * torch.tanh(self.latent_net(o.flatten(1))).view(shape)
+    def _head_sizes(self) -> tuple[int, int]:  # the Gaussian head's input (the obs window) and output (x_0) sizes
+        return self.obs_horizon * self.obs_dim, self.pred_horizon * self.action_dim
+
+    def _gaussian(self, head_in: torch.Tensor, shape: tuple[int, ...]):  # [B, n_in] -> mu, sigma, each ``shape``
+        mu = self.latent_bound * torch.tanh(self.latent_net(head_in)).view(shape)
         lo, hi = self.latent_std_range
         sigma = (lo + (hi - lo) * torch.sigmoid(self.latent_std_logit)).view(1, *shape[1:]).expand(shape)
         return mu, sigma
+
+    def _latent(self, o: torch.Tensor):  # normalised [B, To, O] -> mu, sigma, each [B, H, A]
+        return self._gaussian(o.flatten(1), (o.shape[0], self.pred_horizon, self.action_dim))
 
     def _step_dims(self, device=None) -> torch.Tensor:  # [K]: x_0's H x A dims, counted at step 0
         dims = torch.zeros(self.K, device=device)
@@ -91,23 +99,32 @@ class LatentSteeringAgent(ReinFlowAgent):
             eps = torch.randn(mu.shape, generator=generator) if x0 is None else x0
             start = mu + sigma * eps.to(mu.device)
         chain, _ = super().sample(obs_window, deterministic=True, x0=start)
+        return self._decision(chain, start, mu, sigma, deterministic, return_steps)
+
+    def _decision(self, chain, draw, mu, sigma, deterministic: bool, return_steps: bool):
+        """What ``sample`` returns for a decision whose one Gaussian draw is ``draw ~ N(mu, sigma^2)``: its
+        log-density in step 0 of the ``[B, K]`` step log-probs (none when ``deterministic``)."""
         B = len(chain)
         stochastic = torch.zeros(B, self.K, dtype=torch.bool, device=chain.device)
         step_lp = torch.zeros(B, self.K, device=chain.device)
         if not deterministic:
             stochastic[:, 0] = True
-            step_lp[:, 0] = gaussian_log_prob(start, mu, sigma)
+            step_lp[:, 0] = gaussian_log_prob(draw, mu, sigma)
         log_prob = self.joint_log_prob(step_lp, stochastic, chain) if not deterministic else step_lp[:, 0]
         return (chain, log_prob, stochastic, step_lp) if return_steps else (chain, log_prob)
 
-    def step_log_probs(self, obs_window: torch.Tensor, chain: torch.Tensor, stochastic: torch.Tensor | None = None):
-        """``[B, K]`` with ``log N(x_0; mu, sigma^2)`` in column 0 (where ``stochastic`` says x_0 was drawn), and
-        the mean per-dim entropy of the latent Gaussian ``[B]``."""
+    def _rescore(self, chain, stochastic, gaussian):
+        """``step_log_probs`` for ``gaussian(chain) -> (draw, mu, sigma)``: the stored draw and its Gaussian."""
         if chain.shape[1:] != (self.K + 1, self.pred_horizon, self.action_dim):
             raise ValueError(f"chain must be [B, {self.K + 1}, {self.pred_horizon}, {self.action_dim}], got {tuple(chain.shape)}")
         B = len(chain)
         stochastic = self.stochastic_mask(B).to(chain.device) if stochastic is None else stochastic.to(chain.device)
-        mu, sigma = self._latent(self._norm_obs(obs_window))
-        lp = gaussian_log_prob(chain[:, 0], mu, sigma) * stochastic[:, 0]
+        draw, mu, sigma = gaussian(chain)
+        lp = gaussian_log_prob(draw, mu, sigma) * stochastic[:, 0]
         step_lp = torch.cat([lp[:, None], torch.zeros(B, self.K - 1, device=chain.device)], 1)
         return step_lp, gaussian_entropy(sigma)
+
+    def step_log_probs(self, obs_window: torch.Tensor, chain: torch.Tensor, stochastic: torch.Tensor | None = None):
+        """``[B, K]`` with ``log N(x_0; mu, sigma^2)`` in column 0 (where ``stochastic`` says x_0 was drawn), and
+        the mean per-dim entropy of the latent Gaussian ``[B]``."""
+        return self._rescore(chain, stochastic, lambda c: (c[:, 0], *self._latent(self._norm_obs(obs_window))))

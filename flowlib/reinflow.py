@@ -482,7 +482,11 @@ class ReinFlowConfig:
     # a Gaussian policy over x_0, the flow frozen, DSRL's idea; max/min/final_noise_std are then the latent's std)
     steer: str = "chain"
     latent_bound: float = 2.5           # steer "latent": |mu(o)| <= latent_bound per dim of x_0
-    latent_hidden_dims: list[int] = dataclasses.field(default_factory=lambda: [256, 256])
+    latent_hidden_dims: list[int] = dataclasses.field(default_factory=lambda: [256, 256])  # also steer "residual"'s
+    # steer "residual" (flowlib.residual): the flow frozen, PPO on a Gaussian correction r ~ N(mu(o, a_b), sigma^2)
+    # added to the executed actions; max/min/final_noise_std are then sigma's bounds (normalised action units)
+    residual_bound: float = 0.5         # |mu| <= residual_bound per dim (the normaliser's [-1, 1] is the demos' range)
+    residual_per: str = "action"        # "action": r [Ta, A], one per executed action; "chunk": r [A], for all Ta
     # how steer "latent" learns pi(x_0 | o): "ppo" (on-policy: the PPO fields below) or "sac" (flowlib.latent_sac,
     # DSRL's learner: soft actor-critic over x_0 from a replay buffer, a twin Q(o, x_0) of value_hidden_dims,
     # actor_lr / critic_lr, the policy frozen while the Q nets warm up for critic_warmup_steps)
@@ -579,6 +583,8 @@ class ReinFlowConfig:
             (self.noise_method in METHODS, f"noise_method must be one of {METHODS}, got {self.noise_method!r}"),
             (self.steer in STEER, f"steer must be one of {STEER}, got {self.steer!r}"),
             (self.latent_bound > 0, f"latent_bound must be > 0, got {self.latent_bound}"),
+            (self.residual_bound > 0, f"residual_bound must be > 0, got {self.residual_bound}"),
+            (self.residual_per in RESIDUAL_PER, f"residual_per must be one of {RESIDUAL_PER}, got {self.residual_per!r}"),
             (self.learner in LEARNERS, f"learner must be one of {LEARNERS}, got {self.learner!r}"),
             (self.learner != "sac" or self.steer == "latent",
              f"learner 'sac' learns a policy over x_0: it needs steer 'latent' (got steer {self.steer!r})"),
@@ -589,9 +595,9 @@ class ReinFlowConfig:
             (0 < self.sac_tau <= 1, f"sac_tau must be in (0, 1], got {self.sac_tau}"),
             (self.sac_init_alpha > 0 and self.sac_alpha_lr >= 0 and self.sac_target_kl > 0,
              "need sac_init_alpha > 0, sac_alpha_lr >= 0 (0: fixed alpha) and sac_target_kl > 0"),
-            (self.steer != "latent" or self.branches == 1,
-             f"steer 'latent' cannot branch (branches {self.branches}): the branches share x_0, which is all it draws; "
-             f"use branches: 1 with another advantage"),
+            (self.steer == "chain" or self.branches == 1,
+             f"steer {self.steer!r} cannot branch (branches {self.branches}): branching tries several noisy chains "
+             f"from one state, and this agent draws one Gaussian before its chain; use branches: 1 with another advantage"),
             (self.noise_level >= 0, "noise_level must be >= 0"),
             (self.log_prob_reduce in LOG_PROB_REDUCE,
              f"log_prob_reduce must be one of {LOG_PROB_REDUCE}, got {self.log_prob_reduce!r}"),
@@ -618,7 +624,9 @@ class ReinFlowConfig:
 
 
 REWARDS = ("sparse", "dense", "shaped")
-STEER = ("chain", "latent")  # what PPO moves: the velocity net through the noisy chain, or x_0 (flowlib.latent)
+STEER = ("chain", "latent", "residual")  # what PPO moves: the velocity net through the noisy chain, x_0
+                                         # (flowlib.latent), or a correction of the executed actions (flowlib.residual)
+RESIDUAL_PER = ("action", "chunk")  # steer "residual": one correction per executed action, or one for the chunk
 LEARNERS = ("ppo", "sac")  # how steer "latent" learns: PPO (flowlib.latent) or SAC from a replay (flowlib.latent_sac)
 
 
@@ -903,6 +911,12 @@ def _agent(policy, cfg: ReinFlowConfig) -> ReinFlowAgent:
         if cfg.learner == "sac":
             return LatentSACAgent(*args, init_alpha=cfg.sac_init_alpha, **common)
         return LatentSteeringAgent(*args, **common)
+    if cfg.steer == "residual":
+        from .residual import ResidualAgent  # it subclasses LatentSteeringAgent
+
+        return ResidualAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
+                             tuple(cfg.value_hidden_dims), cfg.residual_bound, tuple(cfg.latent_hidden_dims),
+                             cfg.residual_per, **common)
     return ReinFlowAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
                          tuple(cfg.value_hidden_dims), noise_level=cfg.noise_level, **common)
 

@@ -317,7 +317,11 @@ BRANCH = {"advantage": "branch", "branches": 2, "reward": "dense", "success_bonu
 LATENT = {"steer": "latent", "max_noise_std": 1.0, "final_noise_std": 1.0, "latent_hidden_dims": [16]}
 
 
-@pytest.mark.parametrize("options", [{}, PIRL, BRANCH, LATENT], ids=["reinflow", "flow_sde_hybrid_grpo", "branch", "latent"])
+RESIDUAL = {"steer": "residual", "residual_per": "chunk", "reward": "shaped", "latent_hidden_dims": [16]}
+
+
+@pytest.mark.parametrize("options", [{}, PIRL, BRANCH, LATENT, RESIDUAL],
+                         ids=["reinflow", "flow_sde_hybrid_grpo", "branch", "latent", "residual"])
 def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, options):
     eval_seeds = []  # periodic evaluations must use val_seed: eval_seed is kept for the report
     bc_evaluate = bc.evaluate
