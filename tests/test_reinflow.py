@@ -388,6 +388,16 @@ def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, 
         spec.loader.exec_module(speed)
         rows = speed.main([str(tmp_path / "run" / "last.pt"), "--rows", "8", "--micro", "0", "3", "--repeats", "1"])
         assert [r["micro_batch_size"] for r in rows] == [0, 3] and all(r["s_per_step"] > 0 for r in rows)
+        # the policy-throughput benchmark: one row per (K, batch); env steps served = batch x Ta per chain
+        spec = importlib.util.spec_from_file_location("policy_throughput", REPO / "benchmarks" / "policy_throughput.py")
+        thr = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(thr)
+        rows = thr.main(["--checkpoint", str(path), "--batch", "2", "4", "--K", "2", "4", "--repeats", "1"])
+        assert [(r["K"], r["batch"]) for r in rows] == [(2, 2), (2, 4), (4, 2), (4, 4)]
+        for r in rows:
+            assert r["policy_env_steps_per_s"] == pytest.approx(r["batch"] * Ta * 1e3 / r["sample_ms"])
+            assert r["rescore_ms"] > 0 and r["peak_memory_mb"] > 0
+        assert (tmp_path / "outputs" / "benchmarks" / "policy_throughput" / "default.json").exists()
         # evaluate --noisy: the stage-1 policy stays deterministic, the stage-3 one runs its noisy chain
         assert evaluate.main([str(path), str(tmp_path / "run" / "last.pt"), "--noisy", "--episodes", "2",
                               "--num-envs", "2", "--max-episode-steps", "10", "--run-name", "noisy"]) == 0
