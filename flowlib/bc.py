@@ -217,10 +217,13 @@ def evaluate(policy: FlowPolicy, env, num_episodes: int, num_inference_steps: in
     (dense rewards, success; ``terminated`` = success as in ManiSkill's PickCube; the last step truncated).
     ``flags_once`` / ``per_episode_flags_once``: how often each of the env's other evaluation flags
     (``env.task_flags``; for PickCube ``is_grasped``, ``is_obj_placed``, ``is_robot_static``) was true at
-    some step of an episode: where the episodes that fail stop on the way to success.
+    some step of an episode: where the episodes that fail stop on the way to success.  A policy with a
+    ``correct_step(window, action)`` (``flowlib.residual_step``) has each executed action corrected from the
+    current observation window before it runs.
     """
     policy.eval()
     device = next(policy.parameters()).device
+    correct = getattr(policy, "correct_step", None)  # a per-step residual (flowlib.residual_step) closes the loop
     once, at_end, returns, frames, episodes = [], [], [], [], []
     flags_once: dict[str, list[bool]] = {}
     t0, steps, policy_time = time.time(), 0, 0.0
@@ -244,6 +247,10 @@ def evaluate(policy: FlowPolicy, env, num_episodes: int, num_inference_steps: in
                 actions = (actions + action_noise_std * noise).clamp(-1, 1)
             policy_time += time.time() - tp
             for a in actions.unbind(1):
+                if correct is not None:
+                    tp = time.time()
+                    a = correct(torch.stack(list(history), dim=1).to(device), a.to(device)).to(env.device)
+                    policy_time += time.time() - tp
                 obs, reward, _, truncated, success = env.step(a)
                 history.append(obs)
                 ep_once |= success.cpu()

@@ -28,6 +28,15 @@ from .nets import mlp
 from .reinflow import ReinFlowAgent
 
 
+def refuse_chain_options(kwargs: dict, why: str) -> None:
+    """For agents that run the frozen flow's ODE: a ``ReinFlowAgent`` option of the noisy chain that is set away
+    from its default has no meaning there; raise naming it and ``why``."""
+    for key, default in (("hybrid", False), ("include_initial_noise", False), ("noise_corr", 0.0),
+                         ("noise_method", "reinflow"), ("log_prob_over", "chunk")):
+        if kwargs.get(key, default) != default:
+            raise ValueError(f"{why}: {key} must be {default!r}, got {kwargs[key]!r}")
+
+
 class LatentSteeringAgent(ReinFlowAgent):
     """``ReinFlowAgent`` whose policy is ``pi_phi(x_0 | o)`` (module docstring); the flow net is frozen.
 
@@ -40,12 +49,7 @@ class LatentSteeringAgent(ReinFlowAgent):
     def __init__(self, policy, num_inference_steps: int = 8, min_noise_std: float = 0.05, max_noise_std: float = 1.0,
                  value_hidden_dims: tuple[int, ...] = (256, 256), latent_bound: float = 2.5,
                  latent_hidden: tuple[int, ...] = (256, 256), **kwargs):
-        for key, default in (("hybrid", False), ("include_initial_noise", False), ("noise_corr", 0.0),
-                             ("noise_method", "reinflow"), ("log_prob_over", "chunk")):
-            if kwargs.get(key, default) != default:
-                raise ValueError(f"steer {self.STEER!r} draws one Gaussian per decision (the chain is the ODE): "
-                                 f"{key} must be {default!r}, "
-                                 f"got {kwargs[key]!r}")
+        refuse_chain_options(kwargs, f"steer {self.STEER!r} draws one Gaussian per decision (the chain is the ODE)")
         if not latent_bound > 0:
             raise ValueError(f"latent_bound must be > 0, got {latent_bound}")
         super().__init__(policy, num_inference_steps, min_noise_std, max_noise_std, value_hidden_dims, **kwargs)

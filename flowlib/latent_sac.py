@@ -112,13 +112,15 @@ def prior_kl(mu: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
 class ReplayBuffer:
     """A ring of the last ``capacity`` chunk decisions: ``obs [To, O]``, latent ``w [H, A]``, the SMDP reward
     ``R``, the bootstrap factor ``gamma^tau (1 - terminal)`` and ``next_obs [To, O]`` (for an episode that ended,
-    its last window, which a termination does not bootstrap from and a truncation does)."""
+    its last window, which a termination does not bootstrap from and a truncation does); ``extra`` names more
+    fields and their shapes (``flowlib.residual_step`` stores the base actions)."""
 
-    FIELDS = ("obs", "latent", "reward", "bootstrap", "next_obs")
-
-    def __init__(self, capacity: int, obs_shape: tuple[int, ...], latent_shape: tuple[int, ...]):
-        shapes = {"obs": obs_shape, "latent": latent_shape, "reward": (), "bootstrap": (), "next_obs": obs_shape}
-        self.data = {k: torch.zeros(capacity, *shapes[k]) for k in self.FIELDS}
+    def __init__(self, capacity: int, obs_shape: tuple[int, ...], latent_shape: tuple[int, ...],
+                 **extra: tuple[int, ...]):
+        shapes = {"obs": obs_shape, "latent": latent_shape, "reward": (), "bootstrap": (), "next_obs": obs_shape,
+                  **extra}
+        self.fields = tuple(shapes)
+        self.data = {k: torch.zeros(capacity, *shapes[k]) for k in self.fields}
         self.capacity, self.ptr, self.size = capacity, 0, 0
 
     def __len__(self) -> int:
@@ -126,11 +128,11 @@ class ReplayBuffer:
 
     def add(self, **rows: torch.Tensor) -> None:
         """Append ``[N, ...]`` rows of every field."""
-        if set(rows) != set(self.FIELDS):
-            raise ValueError(f"add needs exactly the fields {self.FIELDS}, got {sorted(rows)}")
+        if set(rows) != set(self.fields):
+            raise ValueError(f"add needs exactly the fields {self.fields}, got {sorted(rows)}")
         n = len(rows["obs"])
         idx = (self.ptr + torch.arange(n)) % self.capacity
-        for k in self.FIELDS:
+        for k in self.fields:
             self.data[k][idx] = rows[k].detach().to(self.data[k].dtype).cpu()
         self.ptr, self.size = (self.ptr + n) % self.capacity, min(self.size + n, self.capacity)
 
@@ -145,11 +147,14 @@ class ReplayBuffer:
                 **{k: v[:self.size].clone() for k, v in self.data.items()}}
 
     def load_state_dict(self, state: dict) -> None:
+        missing = [k for k in self.fields if k not in state]
+        if missing:
+            raise ValueError(f"the saved replay buffer lacks the fields {missing}: it was written by another learner")
         if state["capacity"] != self.capacity or state["obs"].shape[1:] != self.data["obs"].shape[1:]:
             raise ValueError(f"the saved replay buffer (capacity {state['capacity']}, obs {tuple(state['obs'].shape[1:])})"
                              f" does not fit this one (capacity {self.capacity}, obs {tuple(self.data['obs'].shape[1:])})")
         self.ptr, self.size = state["ptr"], state["size"]
-        for k in self.FIELDS:
+        for k in self.fields:
             self.data[k][:self.size] = state[k]
 
 
@@ -220,6 +225,29 @@ def optimizers(agent: LatentSACAgent, cfg: ReinFlowConfig):
     return torch.optim.Adam(groups), torch.optim.Adam(agent.value_parameters(), lr=cfg.critic_lr)
 
 
+def resume_with_replay(cfg: ReinFlowConfig, agent, last, actor_opt, critic_opt, env, buffer: ReplayBuffer,
+                       tracker=None):
+    """``reinflow.resume`` for an off-policy learner: ``(iteration, runner, best)``, and ``buffer`` refilled from
+    ``last`` when the run goes on from it."""
+    start, runner, best, ckpt = resume(cfg, agent, last, actor_opt, critic_opt, env, tracker)
+    if ckpt is not None:
+        if "replay" not in ckpt:
+            raise ValueError(f"{last} holds no replay buffer, so it is not a learner {cfg.learner!r} run: use another "
+                             "run_name or resume=False")
+        buffer.load_state_dict(ckpt["replay"])
+    return start, runner, best
+
+
+def on_all_cores(step, n: int) -> list:
+    """``[step(i) for i in range(n)]`` with every core given to torch: the env workers wait while the nets learn."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        return [step(i) for i in range(n)]
+    finally:
+        torch.set_num_threads(threads)
+
+
 def train(cfg: ReinFlowConfig, agent: LatentSACAgent, env, run_path, tracker=None) -> dict:
     """DSRL-SAC: each iteration collects ``rollout_steps`` decisions per env into the replay buffer, then takes
     ``sac_updates_per_decision`` gradient steps per new decision on batches of ``sac_batch_size`` (the critics only
@@ -233,13 +261,8 @@ def train(cfg: ReinFlowConfig, agent: LatentSACAgent, env, run_path, tracker=Non
     per_iter = cfg.rollout_steps * N * agent.act_horizon
     num_iters = max(1, math.ceil(cfg.total_env_steps / per_iter))
     last = run_path / "last.pt"
-    start, runner, best, ckpt = resume(cfg, agent, last, actor_opt, critic_opt, env, tracker)
     buffer = ReplayBuffer(cfg.sac_buffer_size, (agent.obs_horizon, agent.obs_dim), (agent.pred_horizon, agent.action_dim))
-    if ckpt is not None:
-        if "replay" not in ckpt:
-            raise ValueError(f"{last} holds no replay buffer, so it is not a learner 'sac' run: use another run_name "
-                             "or resume=False")
-        buffer.load_state_dict(ckpt["replay"])
+    start, runner, best = resume_with_replay(cfg, agent, last, actor_opt, critic_opt, env, buffer, tracker)
     gen = torch.Generator().manual_seed(cfg.seed * 100_003 + start)
     updates = max(1, round(cfg.sac_updates_per_decision * cfg.rollout_steps * N))
     bar = tqdm(total=num_iters, initial=start, desc="DSRL-SAC", mininterval=10)
@@ -252,11 +275,10 @@ def train(cfg: ReinFlowConfig, agent: LatentSACAgent, env, run_path, tracker=Non
         rollout_time = time.time() - t0
         warmup = steps_before < cfg.critic_warmup_steps
         agent.train()
-        t1, threads = time.time(), torch.get_num_threads()
-        torch.set_num_threads(os.cpu_count() or 1)  # the env workers wait while the nets learn: all cores to torch
-        stats = [sac_update(agent, buffer.sample(cfg.sac_batch_size, gen), actor_opt, critic_opt, cfg, not warmup)
-                 for _ in range(updates if len(buffer) >= cfg.sac_batch_size else 0)]
-        torch.set_num_threads(threads)
+        t1 = time.time()
+        stats = on_all_cores(lambda _: sac_update(agent, buffer.sample(cfg.sac_batch_size, gen), actor_opt, critic_opt,
+                                                  cfg, not warmup),
+                             updates if len(buffer) >= cfg.sac_batch_size else 0)
         update_time = time.time() - t1
         with torch.no_grad():  # sigma is one learned std per dim of x_0
             _, sigma = agent._latent(agent._norm_obs(runner.window[:1].to(agent.log_alpha.device)))

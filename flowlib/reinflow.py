@@ -482,22 +482,30 @@ class ReinFlowConfig:
     # a Gaussian policy over x_0, the flow frozen, DSRL's idea; max/min/final_noise_std are then the latent's std)
     steer: str = "chain"
     latent_bound: float = 2.5           # steer "latent": |mu(o)| <= latent_bound per dim of x_0
-    latent_hidden_dims: list[int] = dataclasses.field(default_factory=lambda: [256, 256])  # also steer "residual"'s
+    latent_hidden_dims: list[int] = dataclasses.field(default_factory=lambda: [256, 256])  # also steer "residual"'s and "residual_step"'s
     # steer "residual" (flowlib.residual): the flow frozen, PPO on a Gaussian correction r ~ N(mu(o, a_b), sigma^2)
     # added to the executed actions; max/min/final_noise_std are then sigma's bounds (normalised action units)
     residual_bound: float = 0.5         # |mu| <= residual_bound per dim (the normaliser's [-1, 1] is the demos' range)
     residual_per: str = "action"        # "action": r [Ta, A], one per executed action; "chunk": r [A], for all Ta
+    # steer "residual_step" (flowlib.residual_step): a correction r = mu(o_t, a_b) of every executed action from the
+    # current observation (closed loop), learned off-policy with learner "td3"; max_noise_std: r's exploration std
     # how steer "latent" learns pi(x_0 | o): "ppo" (on-policy: the PPO fields below) or "sac" (flowlib.latent_sac,
     # DSRL's learner: soft actor-critic over x_0 from a replay buffer, a twin Q(o, x_0) of value_hidden_dims,
     # actor_lr / critic_lr, the policy frozen while the Q nets warm up for critic_warmup_steps)
     learner: str = "ppo"
     sac_batch_size: int = 256
-    sac_updates_per_decision: float = 1.0  # gradient steps per stored decision (one per env and decision): the UTD
+    sac_updates_per_decision: float = 1.0  # gradient steps per stored decision (one per env and decision; for
+                                        # steer "residual_step" a decision is an env step): the UTD
     sac_buffer_size: int = 200_000      # decisions kept in the replay buffer (the oldest are dropped)
     sac_tau: float = 0.005              # Polyak rate of the target Q nets
     sac_init_alpha: float = 1.0         # weight of KL(pi(x_0 | o) || N(0, I)) per dim in the actor's loss, at the start
     sac_alpha_lr: float = 3.0e-3        # 0: alpha stays at sac_init_alpha
     sac_target_kl: float = 0.1          # alpha moves so that the KL to the stage-1 policy's N(0, I) is this, per dim
+    # learner "td3" (steer "residual_step"; sac_batch_size / _updates_per_decision / _buffer_size / _tau apply too)
+    td3_target_noise: float = 0.05      # std of the target policy's smoothing noise (normalised action units)
+    td3_noise_clip: float = 0.1         # ... clipped to +-td3_noise_clip
+    td3_policy_delay: int = 2           # critic steps per actor (and target) step
+    residual_l2: float = 0.0            # the actor's loss adds residual_l2 * mean (r / b)^2: r stays 0 unless Q pays
     # the noise method (flowlib.flow_sde; notebook 04)
     noise_method: str = "reinflow"      # reinflow / flow_noise (learned std) / flow_sde / flow_cps (noise_level a)
     noise_level: float = 0.5            # a of flow_sde / flow_cps; scaled by the noise schedule like max_noise_std
@@ -588,6 +596,12 @@ class ReinFlowConfig:
             (self.learner in LEARNERS, f"learner must be one of {LEARNERS}, got {self.learner!r}"),
             (self.learner != "sac" or self.steer == "latent",
              f"learner 'sac' learns a policy over x_0: it needs steer 'latent' (got steer {self.steer!r})"),
+            ((self.learner == "td3") == (self.steer == "residual_step"),
+             f"steer 'residual_step' is learned by learner 'td3' and learner 'td3' learns steer 'residual_step' "
+             f"(got steer {self.steer!r}, learner {self.learner!r}): set both"),
+            (self.td3_target_noise >= 0 and self.td3_noise_clip >= 0 and self.td3_policy_delay >= 1
+             and self.residual_l2 >= 0,
+             "need td3_target_noise >= 0, td3_noise_clip >= 0, td3_policy_delay >= 1 and residual_l2 >= 0"),
             (self.sac_batch_size >= 1 and self.sac_updates_per_decision > 0,
              "sac_batch_size must be >= 1 and sac_updates_per_decision > 0"),
             (self.sac_buffer_size >= self.sac_batch_size,
@@ -624,10 +638,12 @@ class ReinFlowConfig:
 
 
 REWARDS = ("sparse", "dense", "shaped")
-STEER = ("chain", "latent", "residual")  # what PPO moves: the velocity net through the noisy chain, x_0
-                                         # (flowlib.latent), or a correction of the executed actions (flowlib.residual)
+STEER = ("chain", "latent", "residual", "residual_step")  # what RL moves: the velocity net through the noisy
+    # chain, x_0 (flowlib.latent), a correction of the executed actions per decision (flowlib.residual) or per env
+    # step from the current observation (flowlib.residual_step)
 RESIDUAL_PER = ("action", "chunk")  # steer "residual": one correction per executed action, or one for the chunk
-LEARNERS = ("ppo", "sac")  # how steer "latent" learns: PPO (flowlib.latent) or SAC from a replay (flowlib.latent_sac)
+LEARNERS = ("ppo", "sac", "td3")  # PPO; SAC from a replay (steer "latent", flowlib.latent_sac); TD3 from a replay
+                                  # (steer "residual_step", flowlib.residual_step)
 
 
 class ChunkRunner:
@@ -911,6 +927,12 @@ def _agent(policy, cfg: ReinFlowConfig) -> ReinFlowAgent:
         if cfg.learner == "sac":
             return LatentSACAgent(*args, init_alpha=cfg.sac_init_alpha, **common)
         return LatentSteeringAgent(*args, **common)
+    if cfg.steer == "residual_step":
+        from .residual_step import StepResidualAgent  # it subclasses ReinFlowAgent
+
+        return StepResidualAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
+                                 tuple(cfg.value_hidden_dims), cfg.residual_bound, tuple(cfg.latent_hidden_dims),
+                                 **common)
     if cfg.steer == "residual":
         from .residual import ResidualAgent  # it subclasses LatentSteeringAgent
 
@@ -1115,6 +1137,10 @@ def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracke
         from .latent_sac import train as train_sac  # it imports this module
 
         return train_sac(cfg, agent, env, run_path, tracker)
+    if cfg.learner == "td3":
+        from .residual_step import train as train_td3  # it imports this module
+
+        return train_td3(cfg, agent, env, run_path, tracker)
     run_path = prepare_run(cfg, agent, run_path)
     # Adam rescales each coordinate by its own gradient noise; SGD keeps the gradient's direction
     optimizer = torch.optim.Adam if cfg.actor_optimizer == "adam" else torch.optim.SGD
@@ -1180,7 +1206,8 @@ def peak_memory_mb() -> float:
 
 def overhead(agent: ReinFlowAgent, env, decisions: int = 8, seed: int = 0) -> dict[str, float]:
     """Time per env step of the raw simulator (random actions) vs of the policy's share in the loop
-    (``collect``: noisy chain sampling, values, bookkeeping), from ``decisions`` chunk decisions of each."""
+    (``collect``: noisy chain sampling, values, bookkeeping; for steer ``residual_step`` its ``StepCollector``: the
+    base chunks and a correction per env step), from ``decisions`` chunk decisions of each."""
     N, Ta = env.num_envs, agent.act_horizon
     steps = decisions * Ta * N
     env.reset(seed=seed)
@@ -1195,7 +1222,13 @@ def overhead(agent: ReinFlowAgent, env, decisions: int = 8, seed: int = 0) -> di
     raw /= steps
     runner = ChunkRunner(env, agent.obs_horizon, 0.99, first_seed=seed)
     t0 = time.time()
-    buf = collect(agent, runner, decisions, torch.Generator().manual_seed(seed))
+    if getattr(agent, "STEER", "") == "residual_step":  # its rollout: a correction per env step (flowlib.residual_step)
+        from .residual_step import StepCollector, replay_buffer
+
+        policy_time = StepCollector(agent, runner, torch.Generator().manual_seed(seed)).collect(
+            replay_buffer(agent, steps), decisions * Ta)
+    else:
+        policy_time = collect(agent, runner, decisions, torch.Generator().manual_seed(seed)).policy_time
     total = time.time() - t0
-    return {"num_envs": N, "raw_step_ms": 1e3 * raw, "policy_ms_per_env_step": 1e3 * buf.policy_time / steps,
-            "overhead_fraction": (buf.policy_time / steps) / raw, "loop_env_steps_per_s": steps / total}
+    return {"num_envs": N, "raw_step_ms": 1e3 * raw, "policy_ms_per_env_step": 1e3 * policy_time / steps,
+            "overhead_fraction": (policy_time / steps) / raw, "loop_env_steps_per_s": steps / total}

@@ -114,6 +114,16 @@
 # depend on $\phi$ and cancels in the ratio). At the start ($\mu = 0$) the deterministic policy is the stage-1
 # policy; $\sigma$ must stay small: at $\sigma \approx 0.19$ (5-7 mm per step) the stage-1 policy plus the noise
 # alone succeeded in 0.06-0.2 of its training episodes, at 0.05 in about half, as without it.
+#
+# **Correcting every step, closed loop** (`steer = "residual_step"`, `learner = "td3"`, `flowlib.residual_step`;
+# Residual Policy Learning, Silver et al. 2018). The flow still re-plans every $T_a$ steps and its chunk runs open
+# loop; at every env step a residual actor $r_t = \mu_\phi(o_t, a_b)$, $|r_t| \le b$, corrects the base action due now
+# from the *current* observation, and $a_t = a_b + r_t$ runs. Each env step is one transition of an ordinary MDP with
+# state $s_t = (o_t, a_b)$, learned off-policy by TD3 (Fujimoto et al. 2018): twin critics on
+# $y = r + \gamma (1 - \text{term}) \min_j \bar Q_j(s', \mathrm{clip}(\bar\mu(s') + \epsilon))$ and the deterministic
+# policy gradient $\nabla_\phi Q_1(s, \mu_\phi(s))$ every second critic step. Why per step: the stage-1 policy grasps
+# the cube in 0.90 of held-out episodes but places it in 0.58, hovering centimetres from the goal; a hand-written
+# per-step nudge towards the goal while grasped lifts it to 0.88 on the same 200 episodes.
 
 # %%
 import time
@@ -149,12 +159,14 @@ noise_decay_steps = 512
 include_initial_noise = False
 log_prob_over = "chunk"
 steer = "chain"  # "latent": PPO on a Gaussian policy over x_0 (flowlib.latent); "residual": on a correction of the
-                 # executed actions (flowlib.residual); both keep the flow frozen
+                 # executed actions (flowlib.residual); "residual_step": TD3 on a per-step correction
+                 # (flowlib.residual_step, learner "td3"); all three keep the flow frozen
 latent_bound = 2.5
 latent_hidden_dims = [256, 256]
 residual_bound = 0.5
 residual_per = "action"  # steer "residual": "chunk" adds one correction r [A] to every executed action
 learner = "ppo"  # steer "latent": "sac" learns pi(x_0 | o) off-policy from a replay buffer (flowlib.latent_sac)
+                 # steer "residual_step": "td3"
 sac_batch_size = 256
 sac_updates_per_decision = 1.0
 sac_buffer_size = 200000
@@ -162,6 +174,10 @@ sac_tau = 0.005
 sac_init_alpha = 1.0
 sac_alpha_lr = 0.003
 sac_target_kl = 0.1
+td3_target_noise = 0.05
+td3_noise_clip = 0.1
+td3_policy_delay = 2
+residual_l2 = 0.0
 noise_method = "reinflow"
 noise_level = 0.5
 hybrid = False

@@ -43,7 +43,7 @@ def test_the_replay_is_a_ring_that_drops_the_oldest_and_saves_what_it_holds():
     assert set(sample["reward"].tolist()) <= {2, 3, 4, 5, 6} and torch.equal(sample["latent"][:, 0, 0], sample["reward"])
     again = ReplayBuffer(5, (2, 3), (4, 2))
     again.load_state_dict(buf.state_dict())
-    assert again.ptr == buf.ptr and all(torch.equal(again.data[k], buf.data[k]) for k in buf.FIELDS)
+    assert again.ptr == buf.ptr and all(torch.equal(again.data[k], buf.data[k]) for k in buf.fields)
     with pytest.raises(ValueError, match="does not fit"):
         ReplayBuffer(6, (2, 3), (4, 2)).load_state_dict(buf.state_dict())
     with pytest.raises(ValueError, match="exactly the fields"):

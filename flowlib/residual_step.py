@@ -1,0 +1,288 @@
+"""Per-step residual RL: a closed-loop correction of every executed action, learned off-policy (TD3).
+
+``flowlib.residual`` corrects a chunk's ``Ta`` actions once per decision, from the observation at the chunk's
+start: open loop for 8 env steps.  Residual Policy Learning (Silver et al. 2018) corrects a base controller at
+every step, from the current observation, and learns the correction off-policy (DDPG there).  Here the base is
+the frozen stage-1 flow, whose chunk still runs open loop, and the correction closes the loop around it::
+
+    every Ta steps:   x_0 ~ N(0, I),  chunk = ODE_theta(x_0 | o)      (the frozen flow, K Euler steps)
+    at step j of the chunk:   a_b = chunk[j]                           (normalised action units)
+                              r = mu_phi(o_t, a_b),  |r| <= b          (b tanh of an MLP: the residual actor)
+                              a_t = a_b + r                            (runs; a_b alone = the stage-1 policy)
+
+The residual's state is ``s = (o_t, a_b)``: the observation window and the base action due now, so the next
+state's ``a_b'`` is the chunk's next action (or the first of the next chunk).  Each env step is one transition
+``(s, r, reward, s')`` of an ordinary MDP (``gamma`` per step), and TD3 (Fujimoto et al. 2018) learns it from a
+replay buffer: twin critics ``Q_1, Q_2 (s, r)`` on the clipped double-Q target with target-policy smoothing
+(their Eq. 15)::
+
+    y = reward + gamma (1 - terminal) min_j Q_bar_j(s', clip(mu_bar(s') + clip(eps, -c, c), -b, b)),
+    eps ~ N(0, td3_target_noise^2)
+
+and, every ``td3_policy_delay`` critic steps, the deterministic policy gradient ``max_phi Q_1(s, mu_phi(s))``
+(their Alg. 1) and the Polyak step of ``mu_bar``; ``Q_bar`` takes its Polyak step after every critic step, the
+warm-up's included (a target left at its random start would be what the warm-up fits).  Exploration adds ``N(0, sigma^2)`` to ``r``
+(``sigma`` = ``max_noise_std``, clipped to the bound).  ``mu_phi``'s last layer starts at zero: before any actor
+step the deterministic policy is the stage-1 policy exactly, episode for episode.
+
+Why per step: in 200 held-out PickCube episodes the stage-1 policy grasps the cube 0.90 of the time but places it
+0.58, hovering a few centimetres from the goal (README, stage 3).  A hand-written per-step correction,
+``0.3 obj_to_goal / 0.1 m`` while grasped, lifts it to 0.88 on the same episodes: what the base lacks is a
+closed-loop last few centimetres, which a once-per-chunk correction cannot provide.
+
+Evaluation (``flowlib.bc.evaluate``, ``flowlib.evaluate``) runs the base chunk as for stage 1 and calls
+``correct_step`` on each executed action with the current window; ``--noisy`` adds the exploration noise.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+from tqdm import tqdm
+
+from .latent import refuse_chain_options
+from .latent_sac import ReplayBuffer, TwinQ, on_all_cores, resume_with_replay
+from .nets import mlp
+from .reinflow import (ChunkRunner, ReinFlowAgent, ReinFlowConfig, end_iteration, episode_stats, noise_schedule,
+                       prepare_run)
+
+
+class StepResidualAgent(ReinFlowAgent):
+    """The frozen flow (its deterministic chain from ``x_0 ~ N(0, I)`` proposes each chunk) plus the residual actor
+    ``mu_phi(o, a_b)``, its TD3 twin critics ``Q(o, a_b, r)`` and the Polyak targets of both (module docstring).
+    ``residual_bound`` is ``b``; ``max_noise_std`` the exploration std of ``r``; ``residual_hidden`` the actor's
+    hidden sizes, ``value_hidden_dims`` the critics'.  The ReinFlow noise and value nets it inherits are unused."""
+
+    STEER = "residual_step"
+
+    def __init__(self, policy, num_inference_steps: int = 8, min_noise_std: float = 0.01, max_noise_std: float = 0.05,
+                 value_hidden_dims: tuple[int, ...] = (256, 256), residual_bound: float = 0.5,
+                 residual_hidden: tuple[int, ...] = (256, 256), **kwargs):
+        refuse_chain_options(kwargs, f"steer {self.STEER!r} runs the flow's ODE and learns off-policy (no chain "
+                                     "log-prob)")
+        if not residual_bound > 0:
+            raise ValueError(f"residual_bound must be > 0, got {residual_bound}")
+        super().__init__(policy, num_inference_steps, min_noise_std, max_noise_std, value_hidden_dims, **kwargs)
+        self.actor.base.requires_grad_(False)  # the flow stays as stage 1/2 left it
+        self.residual_bound = float(residual_bound)
+        self.state_dim = self.obs_horizon * self.obs_dim + self.action_dim  # s = (o window, a_b)
+        self.residual_net = mlp([self.state_dim, *residual_hidden, self.action_dim], act=nn.Mish)
+        nn.init.zeros_(self.residual_net[-1].weight)
+        nn.init.zeros_(self.residual_net[-1].bias)  # r = 0 at the start: the stage-1 policy
+        self.residual_target = copy.deepcopy(self.residual_net).requires_grad_(False)
+        self.q = TwinQ(self.state_dim, self.action_dim, tuple(value_hidden_dims))
+        self.q_target = copy.deepcopy(self.q).requires_grad_(False)
+        self.register_buffer("explore_std", torch.tensor(float(max_noise_std)))
+
+    # parameter groups
+    def policy_parameters(self):
+        return list(self.residual_net.parameters())
+
+    def value_parameters(self):
+        return list(self.q.parameters())
+
+    def set_max_noise_std(self, value: float) -> None:
+        self.explore_std.fill_(value)
+
+    def state(self, obs_window: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """``s = [normalised, clipped o window (flat), a_b]``: raw ``[B, To, O]``, normalised ``[B, A]`` -> ``[B, S]``."""
+        return torch.cat([self._norm_obs(obs_window).flatten(1), base], 1)
+
+    def residual(self, s: torch.Tensor, target: bool = False) -> torch.Tensor:
+        """``mu_phi(s) = b tanh(f_phi(s))`` ``[B, A]`` (``target``: the Polyak-averaged actor's)."""
+        return self.residual_bound * torch.tanh((self.residual_target if target else self.residual_net)(s))
+
+    @torch.no_grad()
+    def base_chunk(self, obs_window: torch.Tensor, generator: torch.Generator | None = None,
+                   x0: torch.Tensor | None = None) -> torch.Tensor:
+        """The frozen flow's executed actions in env units ``[B, Ta, A]`` (clipped to the action box), from
+        ``x0`` or ``x_0 ~ N(0, I)`` drawn from ``generator``: the stage-1 policy's chunk."""
+        chain, _ = ReinFlowAgent.sample(self, obs_window, generator, deterministic=True, x0=x0)
+        return self.actions(chain)
+
+    @torch.no_grad()
+    def act(self, obs_window: torch.Tensor, num_steps: int | None = None, generator: torch.Generator | None = None,
+            x0: torch.Tensor | None = None):
+        """The base chunk ``[B, Ta, A]`` (``flowlib.bc.evaluate`` then corrects each action with ``correct_step``)."""
+        return self.base_chunk(obs_window, generator, x0)
+
+    @torch.no_grad()
+    def correct_step(self, obs_window: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+        """``a_b + r`` in env units ``[B, A]`` for the base action ``action [B, A]`` (env units) due at the window
+        ``[B, To, O]``: ``r = mu(s)``, plus ``N(0, sigma^2)`` from ``self.explore`` when that is set (``--noisy``)."""
+        base = self.action_normalizer.normalize(action)
+        r = self.residual(self.state(obs_window, base))
+        if self.explore is not None:
+            r = self.explore_noise(r, self.explore)
+        return self.action_normalizer.unnormalize(base + r).clamp(-1.0, 1.0)
+
+    def explore_noise(self, r: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``clip(r + N(0, sigma^2), -b, b)``."""
+        eps = torch.randn(r.shape, generator=generator).to(r.device)
+        return (r + self.explore_std * eps).clamp(-self.residual_bound, self.residual_bound)
+
+    def critic(self, s: torch.Tensor, r: torch.Tensor, target: bool = False) -> torch.Tensor:
+        """``Q_1, Q_2 (s, r)`` ``[2, B]`` (``target``: the Polyak-averaged pair), with ``r / b`` as input, so that the
+        correction enters the critics at the scale of the normalised observations."""
+        return (self.q_target if target else self.q)(s, r / self.residual_bound)
+
+    @torch.no_grad()
+    def update_targets(self, tau: float, actor: bool = True) -> None:
+        """``Q_bar <- (1 - tau) Q_bar + tau Q``, and with ``actor`` the same for ``mu_bar``."""
+        pairs = [(self.q, self.q_target)] + ([(self.residual_net, self.residual_target)] if actor else [])
+        for net, target in pairs:
+            for p, p_bar in zip(net.parameters(), target.parameters()):
+                p_bar.lerp_(p, tau)
+
+
+def replay_buffer(agent: StepResidualAgent, capacity: int) -> ReplayBuffer:
+    """Transitions ``obs [To, O]``, ``latent`` = the residual ``r [A]``, ``reward``, ``bootstrap`` =
+    ``gamma (1 - terminal)``, ``next_obs``, and the base actions ``base``, ``next_base`` ``[A]`` (normalised)."""
+    A = agent.action_dim
+    return ReplayBuffer(capacity, (agent.obs_horizon, agent.obs_dim), (A,), base=(A,), next_base=(A,))
+
+
+def td3_update(agent: StepResidualAgent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg: ReinFlowConfig,
+               train_policy: bool = True) -> dict[str, float]:
+    """One critic step on the TD3 target, then (``train_policy``) one actor step and the Polyak step of the
+    targets (module docstring).  With ``train_policy`` False only the critics move (warm-up, delayed steps)."""
+    device = agent.explore_std.device
+    b = {k: v.to(device) for k, v in batch.items()}
+    s, s_next = agent.state(b["obs"], b["base"]), agent.state(b["next_obs"], b["next_base"])
+    with torch.no_grad():
+        eps = (torch.randn_like(b["latent"]) * cfg.td3_target_noise).clamp(-cfg.td3_noise_clip, cfg.td3_noise_clip)
+        r_next = (agent.residual(s_next, target=True) + eps).clamp(-agent.residual_bound, agent.residual_bound)
+        y = b["reward"] + b["bootstrap"] * agent.critic(s_next, r_next, target=True).min(0).values  # [B]
+    q = agent.critic(s, b["latent"])                                                          # [2, B]
+    q_loss = (q - y).pow(2).mean(1).sum()
+    critic_opt.zero_grad(set_to_none=True)
+    q_loss.backward()
+    nn.utils.clip_grad_norm_(agent.value_parameters(), cfg.max_grad_norm)
+    critic_opt.step()
+    stats = {"value_loss": q_loss.item() / 2, "q": q.mean().item(), "target": y.mean().item()}
+    if train_policy:
+        mu = agent.residual(s)                                                                # [B, A]
+        actor_loss = -agent.critic(s, mu)[0].mean() + cfg.residual_l2 * (mu / agent.residual_bound).pow(2).mean()
+        actor_opt.zero_grad(set_to_none=True)
+        actor_loss.backward()
+        nn.utils.clip_grad_norm_(agent.policy_parameters(), cfg.max_grad_norm)
+        actor_opt.step()
+        agent.q.zero_grad(set_to_none=True)  # the actor's loss reached the critics too; the next critic step re-zeroes
+        stats.update({"policy_loss": actor_loss.item(), "residual_rms": mu.pow(2).mean().sqrt().item()})
+    agent.update_targets(cfg.sac_tau, actor=train_policy)  # Q_bar follows Q in the warm-up too
+    return stats
+
+
+class StepCollector:
+    """Runs every env one step at a time.  Every ``Ta`` steps all envs re-plan together (one chain for the batch,
+    as stage 1 runs); an env whose episode ended re-plans alone at its reset and joins the common schedule at the
+    next boundary (its first chunk is cut short), so a rollout costs about one chain call per ``Ta`` steps plus one
+    per ended episode, not one per env and chunk.  It persists across iterations and re-plans every env when the
+    runner's windows changed under it (a validation restarts them)."""
+
+    def __init__(self, agent: StepResidualAgent, runner: ChunkRunner, generator: torch.Generator | None = None):
+        self.agent, self.runner, self.gen = agent, runner, generator
+        self.chunk, self.phase, self.window = None, 0, None  # [N, Ta, A] env units; steps into the common chunk
+        self.offset = None  # [N]: where each env's own chunk started, in steps before the common boundary
+
+    def _plan(self, rows: torch.Tensor) -> None:
+        device = self.agent.explore_std.device
+        self.chunk[rows] = self.agent.base_chunk(self.runner.window[rows].to(device), self.gen).cpu()
+        self.offset[rows] = self.phase
+
+    @torch.no_grad()
+    def collect(self, buffer: ReplayBuffer, num_steps: int) -> float:
+        """``num_steps`` env steps of every env with ``r = clip(mu(s) + N(0, sigma^2), -b, b)``, each transition
+        stored in ``buffer``; returns the policy's share of the wall time."""
+        agent, runner, device = self.agent, self.runner, self.agent.explore_std.device
+        N, Ta, A = runner.env.num_envs, agent.act_horizon, agent.action_dim
+        norm = agent.action_normalizer.normalize
+        tp, policy_time = time.time(), 0.0
+        rows, every = torch.arange(N), torch.ones(N, dtype=torch.bool)
+        if self.window is None or not torch.equal(self.window, runner.window):
+            self.chunk, self.offset, self.phase = torch.zeros(N, Ta, A), torch.zeros(N, dtype=torch.long), 0
+            self._plan(every)
+        policy_time += time.time() - tp
+        for _ in range(num_steps):
+            tp = time.time()
+            window = runner.window.clone()
+            base = norm(self.chunk[rows, self.phase - self.offset])                               # [N, A]
+            r = agent.explore_noise(agent.residual(agent.state(window.to(device), base.to(device))), self.gen).cpu()
+            action = agent.action_normalizer.unnormalize(base + r).clamp(-1.0, 1.0)
+            policy_time += time.time() - tp
+            out = runner.step_chunk(action[:, None])
+            tp = time.time()
+            self.phase += 1
+            # a_b' of an ended episode (truncation bootstraps from it) is its chunk's next action, as if it went on
+            next_base = self.chunk[rows, (self.phase - self.offset).clamp(max=Ta - 1)].clone()
+            if self.phase == Ta:  # the common boundary: every env re-plans
+                self.phase = 0
+                self._plan(every)
+                next_base[~out["end"]] = self.chunk[~out["end"], 0]
+            if out["end"].any():
+                self._plan(out["end"])
+            buffer.add(obs=window, latent=r, reward=out["reward"], bootstrap=out["discount"] * (~out["terminal"]).float(),
+                       next_obs=out["next_window"], base=base, next_base=norm(next_base))
+            policy_time += time.time() - tp
+        self.window = runner.window.clone()
+        return policy_time
+
+
+def optimizers(agent: StepResidualAgent, cfg: ReinFlowConfig):
+    """``(actor_opt, critic_opt)``: Adam over the residual actor and over the twin Q."""
+    return (torch.optim.Adam(agent.policy_parameters(), lr=cfg.actor_lr),
+            torch.optim.Adam(agent.value_parameters(), lr=cfg.critic_lr))
+
+
+def train(cfg: ReinFlowConfig, agent: StepResidualAgent, env, run_path, tracker=None) -> dict:
+    """TD3 on the per-step residual: each iteration runs ``rollout_steps x Ta`` env steps of every env into the
+    replay buffer, then takes ``sac_updates_per_decision`` critic steps per stored transition (batches of
+    ``sac_batch_size``), the actor's every ``td3_policy_delay``-th of them once the iteration starts past
+    ``critic_warmup_steps`` (none until the buffer holds one batch).  Evaluation, ``best_model.pt``, ``last.pt``
+    (with the buffer) and resuming are as in ``reinflow.train``."""
+    if not isinstance(agent, StepResidualAgent):
+        raise TypeError(f"learner 'td3' trains a StepResidualAgent (steer: residual_step), got {type(agent).__name__}")
+    run_path = prepare_run(cfg, agent, run_path)
+    actor_opt, critic_opt = optimizers(agent, cfg)
+    N, Ta = env.num_envs, agent.act_horizon
+    per_iter = cfg.rollout_steps * Ta * N
+    num_iters = max(1, math.ceil(cfg.total_env_steps / per_iter))
+    last = run_path / "last.pt"
+    buffer = replay_buffer(agent, cfg.sac_buffer_size)
+    start, runner, best = resume_with_replay(cfg, agent, last, actor_opt, critic_opt, env, buffer, tracker)
+    gen = torch.Generator().manual_seed(cfg.seed * 100_003 + start)
+    collector = StepCollector(agent, runner, gen)
+    updates = max(1, round(cfg.sac_updates_per_decision * per_iter))
+    bar = tqdm(total=num_iters, initial=start, desc="residual TD3", mininterval=10)
+    for iteration in range(start, num_iters):
+        sigma = noise_schedule(cfg.noise_schedule, runner.env_steps / max(cfg.noise_decay_steps, 1),
+                               cfg.max_noise_std, cfg.final_noise_std)
+        agent.set_max_noise_std(sigma)
+        agent.eval()
+        steps_before, t0 = runner.env_steps, time.time()
+        policy_time = collector.collect(buffer, cfg.rollout_steps * Ta)
+        rollout_time = time.time() - t0
+        warmup = steps_before < cfg.critic_warmup_steps
+        agent.train()
+        t1 = time.time()
+        stats = on_all_cores(lambda i: td3_update(agent, buffer.sample(cfg.sac_batch_size, gen), actor_opt, critic_opt,
+                                                  cfg, train_policy=not warmup and (i + 1) % cfg.td3_policy_delay == 0),
+                             updates if len(buffer) >= cfg.sac_batch_size else 0)
+        update_time = time.time() - t1
+        row = {"iteration": iteration + 1, "critic_warmup": float(warmup), "max_noise_std": sigma,
+               "rollout_time": rollout_time, "rollout_policy_time": policy_time, "update_time": update_time,
+               "env_steps_per_s": per_iter / max(rollout_time, 1e-9), "updates": len(stats), "buffer": len(buffer),
+               **{k: float(np.mean([s_[k] for s_ in stats if k in s_])) for k in
+                  sorted({k for s_ in stats for k in s_})}}
+        episodes = runner.pop_finished()
+        row.update({"episodes": len(episodes), **episode_stats(episodes)})
+        best = end_iteration(cfg, agent, env, runner, row, best, iteration, num_iters, run_path, actor_opt, critic_opt,
+                             tracker, extra=lambda: {"replay": buffer.state_dict()})
+        bar.update()
+    bar.close()
+    agent.eval()
+    return {"best": best, "iterations": num_iters, "env_steps": runner.env_steps}

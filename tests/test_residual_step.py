@@ -1,0 +1,182 @@
+"""Per-step residual TD3 (flowlib.residual_step): the stage-1 policy at the start, TD3's target, the actor moving to
+the correction that pays with the flow untouched, the collector's transitions chaining step to step, what is
+refused, and a real PickCube run that evaluates with the correction in the loop and resumes with its replay."""
+import dataclasses
+
+import pytest
+import torch
+
+from flowlib import bc, reinflow
+from flowlib.envs import make_env
+from flowlib.residual_step import StepCollector, StepResidualAgent, optimizers, replay_buffer, td3_update
+from flowlib.tracking import Tracker
+from test_reinflow import ACT_DIM, OBS_DIM, tiny_policy
+
+TD3 = {"steer": "residual_step", "learner": "td3", "reward": "shaped", "max_noise_std": 0.05, "final_noise_std": 0.05,
+       "min_noise_std": 0.005, "latent_hidden_dims": [16], "value_hidden_dims": [32, 32]}
+
+
+def step_agent(bound=0.5):
+    policy, dataset = tiny_policy()
+    agent = StepResidualAgent(policy, 4, min_noise_std=0.005, max_noise_std=0.05, value_hidden_dims=(32, 32),
+                              residual_bound=bound, residual_hidden=(16,), noise_hidden=16)
+    obs = torch.stack([dataset[i][0] for i in range(5)])
+    return agent, obs, policy
+
+
+def test_at_the_start_the_policy_is_the_stage1_policy_and_the_correction_is_zero():
+    agent, obs, policy = step_agent()
+    x0 = torch.randn(5, 16, ACT_DIM, generator=torch.Generator().manual_seed(0))
+    chunk = agent.act(obs, x0=x0)                                                     # [B, Ta, A]
+    assert torch.allclose(chunk, policy.act(obs, 4, x0=x0).clamp(-1, 1), atol=1e-6)  # the env clips to its box
+    a = chunk[:, 0]
+    assert torch.allclose(agent.correct_step(obs, a), a, atol=1e-5)
+    agent.explore = torch.Generator().manual_seed(1)  # --noisy: the exploration noise, std 0.05 in normalised units
+    moved = agent.action_normalizer.normalize(agent.correct_step(obs, a)) - agent.action_normalizer.normalize(a)
+    assert 0 < moved.abs().max() <= 0.5 + 1e-6
+
+
+def test_the_critics_fit_the_td3_target():
+    agent, obs, _ = step_agent()
+    cfg = reinflow.ReinFlowConfig(**{k: v for k, v in TD3.items() if k != "reward"}, td3_target_noise=0.0, sac_tau=1e-4)
+    with torch.no_grad():  # a residual actor away from zero, so the target's mu_bar(s') matters
+        agent.residual_target[-1].bias.normal_(0, 1.0)
+    g = torch.Generator().manual_seed(0)
+    batch = {"obs": obs, "latent": 0.1 * torch.randn(5, ACT_DIM, generator=g), "reward": torch.randn(5, generator=g),
+             "bootstrap": torch.tensor([0.99, 0.0, 0.99, 0.99, 0.0]), "next_obs": obs.flip(0),
+             "base": torch.randn(5, ACT_DIM, generator=g), "next_base": torch.randn(5, ACT_DIM, generator=g)}
+    with torch.no_grad():
+        s_next = agent.state(batch["next_obs"], batch["next_base"])
+        r_next = agent.residual_bound * torch.tanh(agent.residual_target(s_next))
+        q_in = torch.cat([s_next, r_next / agent.residual_bound], 1)  # the critics see r / b
+        q_next = torch.minimum(*[net(q_in).squeeze(-1) for net in agent.q_target.nets])
+        y = batch["reward"] + batch["bootstrap"] * q_next
+    actor_opt, critic_opt = optimizers(agent, cfg)
+    losses = [td3_update(agent, batch, actor_opt, critic_opt, cfg, train_policy=False) for _ in range(300)]
+    assert losses[0]["target"] == pytest.approx(y.mean().item(), abs=1e-5)
+    assert losses[-1]["value_loss"] < 1e-2 * losses[0]["value_loss"]
+    with torch.no_grad():  # Q_bar moved by ~3% of the way (tau 1e-4 x 300): y barely changed
+        q = agent.critic(agent.state(obs, batch["base"]), batch["latent"])
+    assert torch.allclose(q, y.expand(2, 5), atol=0.05)
+    # Q_bar follows Q in critic-only steps too (a warm-up against a target frozen at its random start fits noise),
+    # while mu_bar waits for the actor
+    actor_target = [p.clone() for p in agent.residual_target.parameters()]
+    td3_update(agent, batch, actor_opt, critic_opt, dataclasses.replace(cfg, sac_tau=1.0), train_policy=False)
+    assert all(torch.equal(a, b) for a, b in zip(agent.q.parameters(), agent.q_target.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(actor_target, agent.residual_target.parameters()))
+
+
+def test_the_actor_moves_to_the_correction_that_pays_and_leaves_the_flow_as_it_was():
+    agent, obs, _ = step_agent(bound=0.5)
+    cfg = reinflow.ReinFlowConfig(**{k: v for k, v in TD3.items() if k != "reward"}, actor_lr=1e-3, critic_lr=3e-3,
+                                  sac_tau=0.05)
+    flow = [p.clone() for p in agent.actor.base.parameters()]
+    best = torch.tensor([0.3, -0.2, 0.1, 0.0])  # a one-step bandit: reward -|r - best|^2, no bootstrap
+    g = torch.Generator().manual_seed(0)
+    actor_opt, critic_opt = optimizers(agent, cfg)
+    for i in range(1200):  # the critics alone first (a warm-up), then the actor every second step
+        r = torch.rand(64, ACT_DIM, generator=g) - 0.5                                # uniform in the bound
+        rows = torch.randint(5, (64,), generator=g)
+        base = torch.randn(64, ACT_DIM, generator=g)
+        batch = {"obs": obs[rows], "latent": r, "reward": -(r - best).pow(2).sum(1), "bootstrap": torch.zeros(64),
+                 "next_obs": obs[rows], "base": base, "next_base": base}
+        td3_update(agent, batch, actor_opt, critic_opt, cfg, train_policy=i >= 400 and i % 2 == 1)
+    with torch.no_grad():
+        mu = agent.residual(agent.state(obs, torch.randn(5, ACT_DIM, generator=g)))
+    # near the best correction everywhere, not at the bound's corners (where a critic's linear slope would drive it)
+    assert torch.allclose(mu.mean(0), best, atol=0.08) and torch.allclose(mu, best.expand(5, -1), atol=0.12), mu
+    assert all(torch.equal(a, b) for a, b in zip(flow, agent.actor.base.parameters()))
+
+
+def test_what_has_no_meaning_for_a_per_step_residual_is_refused():
+    with pytest.raises(ValueError, match="steer 'residual_step' is learned by learner 'td3'"):
+        reinflow.ReinFlowConfig(steer="residual_step")
+    with pytest.raises(ValueError, match="steer 'residual_step' is learned by learner 'td3'"):
+        reinflow.ReinFlowConfig(learner="td3", steer="residual")
+    with pytest.raises(ValueError, match="td3_policy_delay >= 1"):
+        reinflow.ReinFlowConfig(steer="residual_step", learner="td3", td3_policy_delay=0)
+    with pytest.raises(ValueError, match="residual_bound must be > 0"):
+        step_agent(bound=0.0)
+    with pytest.raises(ValueError, match="no chain log-prob.*hybrid must be False"):
+        StepResidualAgent(tiny_policy()[0], 4, hybrid=True)
+    agent, _, _ = step_agent()
+    with pytest.raises(ValueError, match="lacks the fields \\['base', 'next_base'\\]"):
+        replay_buffer(agent, 8).load_state_dict(  # a DSRL-SAC replay has no base actions
+            {"capacity": 8, "ptr": 0, "size": 0, **{k: torch.zeros(0) for k in
+                                                     ("obs", "latent", "reward", "bootstrap", "next_obs")}})
+
+
+def test_td3_runs_in_a_real_pickcube_env_and_its_transitions_chain_step_to_step(tmp_path):
+    policy, _ = tiny_policy()
+    path = tmp_path / "stage1.pt"
+    bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
+    per_iter = 3 * 8 * 2  # 2 envs x 3 chunks x 8 steps
+    cfg = reinflow.ReinFlowConfig(init_checkpoint=str(path), num_inference_steps=4, rollout_steps=3, max_episode_steps=20,
+                                  total_env_steps=2 * per_iter, critic_warmup_steps=per_iter, sac_batch_size=8,
+                                  sac_updates_per_decision=0.25, eval_every=1, num_eval_episodes=2, **TD3)
+    run = tmp_path / "run"
+    with make_env("PickCube-v1", 2, max_episode_steps=20) as env:
+        agent, _ = reinflow.build_agent(cfg, reinflow.init_checkpoint_path(cfg), env.spec)
+        assert isinstance(agent, StepResidualAgent)
+        before = [p.clone() for p in agent.policy_parameters()]
+        tracker = Tracker(run)
+        out = reinflow.train(cfg, agent, env, run, tracker)
+        rows = tracker.rows
+        assert out["env_steps"] == 2 * per_iter and [r["critic_warmup"] for r in rows] == [1.0, 0.0]
+        assert [r["updates"] for r in rows] == [12, 12] and [r["buffer"] for r in rows] == [48, 96]
+        assert "policy_loss" not in rows[0] and {"policy_loss", "value_loss", "q", "residual_rms",
+                                                 "eval/success_once", "train/success_once"} <= set(rows[0]) | set(rows[1])
+        assert any(not torch.equal(a, b) for a, b in zip(before, agent.policy_parameters()))
+        assert reinflow.read_agent_checkpoint(run / "last.pt")["replay"]["size"] == 96
+        longer = reinflow.checkpoint_config(reinflow.read_agent_checkpoint(run / "last.pt"),
+                                            {"total_env_steps": 3 * per_iter})
+        agent2, _ = reinflow.build_agent(longer, reinflow.init_checkpoint_path(longer), env.spec)
+        assert reinflow.train(longer, agent2, env, run, Tracker(run))["env_steps"] == 3 * per_iter
+        assert reinflow.read_agent_checkpoint(run / "last.pt")["replay"]["size"] == 144
+
+        # the collector's transitions: each step's (window, a_b) is the previous step's (next window, a_b')
+        # unless the episode ended, and what ran is a_b + r
+        runner = reinflow.ChunkRunner(env, agent.obs_horizon, 0.99, "shaped", first_seed=123)
+        buffer = replay_buffer(agent, 100)
+        with torch.no_grad():  # a constant residual that is not zero, so a_b + r differs from a_b
+            agent.residual_net[-1].weight.zero_()
+            agent.residual_net[-1].bias.fill_(0.2)
+        StepCollector(agent, runner, torch.Generator().manual_seed(0)).collect(buffer, 30)  # 20-step episodes end
+        d = {k: v[:60].view(30, 2, *v.shape[1:]) for k, v in buffer.data.items()}        # [T, N, ...]
+        ended = d["bootstrap"][:-1] == 0  # terminations; truncations bootstrap, so find the ends from the windows
+        same = (d["next_obs"][:-1] == d["obs"][1:]).flatten(2).all(2)
+        assert same.sum() >= 2 * 29 - 4 and not (ended & same).any()  # at most two episode ends per env
+        chained = (d["next_base"][:-1] - d["base"][1:]).abs().amax(2) < 1e-5
+        assert (chained | ~same).all()
+        assert torch.allclose(d["latent"].mean((0, 1)), torch.full((ACT_DIM,), 0.5 * torch.tanh(torch.tensor(0.2))),
+                              atol=0.03)
+    reloaded = reinflow.load_agent(run / "last.pt")
+    assert isinstance(reloaded, StepResidualAgent)
+    window = torch.randn(3, 2, OBS_DIM)
+    a = torch.zeros(3, ACT_DIM)
+    assert torch.equal(reloaded.correct_step(window, a), agent2.eval().correct_step(window, a))
+
+
+def test_the_nudge_benchmark_moves_the_gripper_towards_the_goal_only_while_grasped():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "closed_loop_nudge.py"
+    spec = importlib.util.spec_from_file_location("closed_loop_nudge", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    policy, _ = tiny_policy()
+    obs = torch.zeros(2, 2, 42)                                   # PickCube's 42-dim state layout, two envs
+    obs[:, -1, 26:29] = torch.tensor([0.1, 0.0, 0.2])            # goal
+    obs[:, -1, 29:32] = torch.tensor([0.0, 0.0, 0.02])           # cube
+    obs[:, -1, 39:42] = obs[:, -1, 26:29] - obs[:, -1, 29:32]    # obj_to_goal
+    obs[0, -1, 18] = 1.0                                          # env 0 holds the cube, env 1 does not
+    a = torch.full((2, 4), 0.1)
+    nudged = bench.Corrected(policy, "nudge", 0.5).correct_step(obs, a)
+    assert torch.allclose(nudged[0, :3], torch.tensor([0.1 + 0.5, 0.1, 0.1 + 0.9]).clamp(max=1.0))
+    assert torch.equal(nudged[1], a[1]) and nudged[0, 3] == a[0, 3]  # not grasped: unchanged; the gripper: unchanged
+    biased = bench.Corrected(policy, "bias", 0.04, axis=1).correct_step(obs, a)
+    norm = policy.action_normalizer
+    assert torch.allclose(norm.normalize(biased) - norm.normalize(a), torch.tensor([0.0, 0.04, 0.0, 0.0]).expand(2, 4),
+                          atol=1e-6)
+    with pytest.raises(ValueError, match="PickCube-v1 state observations"):
+        bench.Corrected(policy, "nudge", 0.5).correct_step(torch.ones(2, 2, OBS_DIM), a)  # obj_to_goal != goal - obj
