@@ -222,8 +222,8 @@ class StepCollector:
             if self.phase == Ta:  # the common boundary: every env re-plans
                 self.phase = 0
                 self._plan(every)
-                next_base[~out["end"]] = self.chunk[~out["end"], 0]
-            if out["end"].any():
+                next_base[~out["end"]] = self.chunk[~out["end"], 0]  # the ended envs re-planned from their resets too
+            elif out["end"].any():
                 self._plan(out["end"])
             buffer.add(obs=window, latent=r, reward=out["reward"], bootstrap=out["discount"] * (~out["terminal"]).float(),
                        next_obs=out["next_window"], base=base, next_base=norm(next_base))
