@@ -657,7 +657,9 @@ class ChunkRunner:
     ``normalized_dense`` reward (ManiSkill's, with success worth 1 per step and no termination); ``"shaped"``
     is the sparse reward plus ``gamma * phi(s') - phi(s)`` with the potential ``phi`` = the normalized dense
     reward of the state reached (0 at the episode's start and at success): Ng et al. 1999, Thm. 1, so the
-    policies that maximise it are those that maximise the sparse one, with the dense reward's guidance.
+    policies that maximise it are those that maximise the sparse one, with the dense reward's guidance (while
+    the critic learns: at its fixed point ``Q_shaped(s, a) = Q_sparse(s, a) - phi(s)``, the sparse reward's
+    action-gradient; notebook 03).
     The logged return of ``"shaped"`` is its sparse part (1 if the episode succeeded).  ``success_bonus``
     ``B`` (``"dense"`` only) adds ``B`` to what learning sees at every step whose state counts as solved, so a
     success is worth ``1 + B`` per step against a near-miss's 0.5-0.8; the logged return stays the env's.

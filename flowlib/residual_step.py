@@ -134,9 +134,8 @@ class StepResidualAgent(ReinFlowAgent):
     def update_targets(self, tau: float, actor: bool = True) -> None:
         """``Q_bar <- (1 - tau) Q_bar + tau Q``, and with ``actor`` the same for ``mu_bar``."""
         pairs = [(self.q, self.q_target)] + ([(self.residual_net, self.residual_target)] if actor else [])
-        for net, target in pairs:
-            for p, p_bar in zip(net.parameters(), target.parameters()):
-                p_bar.lerp_(p, tau)
+        for net, target in pairs:  # one fused op per net, not one per tensor (a TD3 step is overhead-bound on CPU)
+            torch._foreach_lerp_(list(target.parameters()), list(net.parameters()), tau)
 
 
 def replay_buffer(agent: StepResidualAgent, capacity: int) -> ReplayBuffer:
@@ -161,7 +160,7 @@ def td3_update(agent: StepResidualAgent, batch: dict[str, torch.Tensor], actor_o
     q_loss = (q - y).pow(2).mean(1).sum()
     critic_opt.zero_grad(set_to_none=True)
     q_loss.backward()
-    nn.utils.clip_grad_norm_(agent.value_parameters(), cfg.max_grad_norm)
+    nn.utils.clip_grad_norm_(critic_opt.param_groups[0]["params"], cfg.max_grad_norm)  # = value_parameters()
     critic_opt.step()
     stats = {"value_loss": q_loss.item() / 2, "q": q.mean().item(), "target": y.mean().item()}
     if train_policy:
@@ -169,7 +168,7 @@ def td3_update(agent: StepResidualAgent, batch: dict[str, torch.Tensor], actor_o
         actor_loss = -agent.critic(s, mu)[0].mean() + cfg.residual_l2 * (mu / agent.residual_bound).pow(2).mean()
         actor_opt.zero_grad(set_to_none=True)
         actor_loss.backward()
-        nn.utils.clip_grad_norm_(agent.policy_parameters(), cfg.max_grad_norm)
+        nn.utils.clip_grad_norm_(actor_opt.param_groups[0]["params"], cfg.max_grad_norm)  # = policy_parameters()
         actor_opt.step()
         agent.q.zero_grad(set_to_none=True)  # the actor's loss reached the critics too; the next critic step re-zeroes
         stats.update({"policy_loss": actor_loss.item(), "residual_rms": mu.pow(2).mean().sqrt().item()})
@@ -233,9 +232,10 @@ class StepCollector:
 
 
 def optimizers(agent: StepResidualAgent, cfg: ReinFlowConfig):
-    """``(actor_opt, critic_opt)``: Adam over the residual actor and over the twin Q."""
-    return (torch.optim.Adam(agent.policy_parameters(), lr=cfg.actor_lr),
-            torch.optim.Adam(agent.value_parameters(), lr=cfg.critic_lr))
+    """``(actor_opt, critic_opt)``: Adam over the residual actor and over the twin Q (``foreach``: one fused op per
+    moment over all tensors, as on CUDA; CPU's default is a loop over tensors, a tenth of a small TD3 step)."""
+    return (torch.optim.Adam(agent.policy_parameters(), lr=cfg.actor_lr, foreach=True),
+            torch.optim.Adam(agent.value_parameters(), lr=cfg.critic_lr, foreach=True))
 
 
 def train(cfg: ReinFlowConfig, agent: StepResidualAgent, env, run_path, tracker=None) -> dict:

@@ -82,6 +82,11 @@
 # O(1) (unscaled, the critic's explained variance stayed near 0 in our pilot); logged returns stay raw.
 # `"shaped"` is the sparse reward plus $\gamma \phi(s') - \phi(s)$ with the dense reward as the potential
 # $\phi$ (Ng et al. 1999, Thm. 1): the same best policies as the sparse reward, with the dense one's guidance.
+# That guidance is transient: for every policy $Q^\pi_{\rm shaped}(s, a) = Q^\pi_{\rm sparse}(s, a) - \phi(s)$
+# (the shaping terms telescope), so a critic fitted to its fixed point has the sparse reward's action-gradient,
+# which at $\gamma = 0.8$ per step fades as $0.8^n$ with the $n$ steps to success: the grasp, 20-30 steps
+# before success, gets none of it. With `"dense"`, $Q = \mathbb{E}\sum_t \gamma^t \phi(s_{t+1})$ keeps a
+# $1/(1-\gamma)$-step look-ahead at $\phi$, and success (1 per step) is worth staying in.
 # (Dense returns can rise while success falls: carrying the cube near the goal without succeeding earns
 # 0.5-0.8 per step against success's 1, and a fine-tuned policy learned just that; see the README.)
 # `success_bonus` $B$ (dense only) adds $B$ per solved step to what learning sees, so success earns $1 + B$.

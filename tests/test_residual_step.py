@@ -66,6 +66,21 @@ def test_the_critics_fit_the_td3_target():
     assert all(torch.equal(a, b) for a, b in zip(actor_target, agent.residual_target.parameters()))
 
 
+def test_the_polyak_step_moves_every_target_tensor_a_fraction_tau_of_the_way_and_the_actor_only_when_asked():
+    agent, _, _ = step_agent()
+    with torch.no_grad():  # targets apart from the nets, so that the step shows
+        for p in list(agent.q_target.parameters()) + list(agent.residual_target.parameters()):
+            p.add_(1.0)
+    q_bar, mu_bar = [p.clone() for p in agent.q_target.parameters()], [p.clone() for p in agent.residual_target.parameters()]
+    agent.update_targets(0.25, actor=False)
+    for p, old, new in zip(agent.q.parameters(), q_bar, agent.q_target.parameters()):
+        assert torch.allclose(new, old + 0.25 * (p - old), atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(mu_bar, agent.residual_target.parameters()))
+    agent.update_targets(0.25)
+    for p, old, new in zip(agent.residual_net.parameters(), mu_bar, agent.residual_target.parameters()):
+        assert torch.allclose(new, old + 0.25 * (p - old), atol=1e-6)
+
+
 def test_the_actor_moves_to_the_correction_that_pays_and_leaves_the_flow_as_it_was():
     agent, obs, _ = step_agent(bound=0.5)
     cfg = reinflow.ReinFlowConfig(**{k: v for k, v in TD3.items() if k != "reward"}, actor_lr=1e-3, critic_lr=3e-3,
