@@ -195,3 +195,37 @@ def test_the_nudge_benchmark_moves_the_gripper_towards_the_goal_only_while_grasp
                           atol=1e-6)
     with pytest.raises(ValueError, match="PickCube-v1 state observations"):
         bench.Corrected(policy, "nudge", 0.5).correct_step(torch.ones(2, 2, OBS_DIM), a)  # obj_to_goal != goal - obj
+
+
+def test_the_grasp_failure_benchmark_reads_when_the_gripper_closes_and_how_far_off_it_is():
+    import importlib.util
+    from pathlib import Path
+
+    import numpy as np
+
+    from flowlib.data import Episode
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "grasp_failures.py"
+    spec = importlib.util.spec_from_file_location("grasp_failures", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    T = 6
+    obs = torch.zeros(T + 1, 42)                                        # PickCube's 42-dim state layout
+    obs[:, 29:32] = torch.tensor([0.0, 0.0, 0.02])                     # the cube stays put
+    obs[:, 19:22] = torch.tensor([-0.04, 0.01, 0.02]) + torch.linspace(0.05, 0.0, T + 1)[:, None] * torch.tensor([0, 0, 1.0])
+    obs[:, 36:39] = obs[:, 29:32] - obs[:, 19:22]                     # tcp_to_obj: cube minus gripper
+    obs[:, 39:42] = obs[:, 26:29] - obs[:, 29:32]                     # obj_to_goal
+    actions = torch.ones(T, 4)
+    actions[4:, 3] = -1.0                                               # the gripper closes at step 4, 4 cm beside the cube
+    ep = Episode(obs.numpy(), actions.numpy(), np.zeros(T), np.zeros(T, bool), np.zeros(T, bool), np.zeros(T, bool), 7)
+    r = bench.episode_report(ep, grasped=False, look_at=2)
+    assert r["close_step"] == 4 and r["first_grasp_step"] is None and r["seed"] == 7 and not r["success"]
+    assert r["offset_at_close_cm"] == [4.0, -1.0, pytest.approx(-100 * 0.05 * 2 / 6, abs=0.05)]
+    assert r["offset_at_2_cm"][:2] == [4.0, -1.0] and r["min_distance_cm"] == pytest.approx(100 * 0.0017 ** 0.5, abs=0.05)
+    obs[3:, 18] = 1.0                                                   # grasped from the observation after step 2
+    r = bench.episode_report(Episode(obs.numpy(), actions.numpy(), np.zeros(T), np.zeros(T, bool), np.zeros(T, bool),
+                                     np.zeros(T, bool), 7), grasped=True, look_at=2)
+    assert r["first_grasp_step"] == 3
+    with pytest.raises(ValueError, match="not cube minus gripper"):
+        obs[:, 36] += 0.1
+        bench.episode_report(Episode(obs.numpy(), actions.numpy(), np.zeros(T), np.zeros(T, bool), np.zeros(T, bool),
+                                     np.zeros(T, bool), 7), grasped=True, look_at=2)

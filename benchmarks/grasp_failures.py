@@ -1,0 +1,99 @@
+"""Where PickCube episodes that never grasp the cube go wrong: the gripper's offset from the cube when it closes.
+
+A diagnostic for stage 3 (README, "The dense reward holds the success; neither reward moves the grasp"): the
+per-step residual lifts the carry but leaves the grasp rate where stage 1 had it.  Each checkpoint (stage-1/2
+``best_model.pt`` or a stage-3 ``last.pt``) runs the same episodes (``--seed``..) through ``flowlib.bc.evaluate``
+with the rollouts recorded; for every episode it reads, from the state observations and the executed actions:
+
+* whether the cube was ever grasped (the env's ``is_grasped`` flag) and at which step first;
+* the step the gripper first closes (executed gripper action < 0; ``pd_ee_delta_pos``: +1 open, -1 closed);
+* ``tcp_to_obj`` (cube minus gripper centre, cm) at that step and at ``--look-at`` (default step 30).
+
+It prints the episodes that never grasp and a summary, and writes ``outputs/benchmarks/grasp_failures/<name>.json``.
+
+    .venv/bin/python benchmarks/grasp_failures.py outputs/03_reinflow/cpu_residual_step_s2/last.pt \\
+        --episodes 96 --name residual_step_s2
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from flowlib import bc
+from flowlib.envs import make_env
+from flowlib.evaluate import load_checkpoint_policy
+from flowlib.runs import run_dir, save_json
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark that reads PickCube's layout
+from latent_steering import OBJ, TCP, check_layout  # noqa: E402
+
+TCP_TO_OBJ = slice(36, 39)  # PickCube-v1 state: cube position minus the gripper centre (m)
+GRIPPER = 3                 # pd_ee_delta_pos: dx, dy, dz, gripper
+
+
+def episode_report(ep, grasped: bool, look_at: int) -> dict:
+    """One recorded episode's grasp story (module docstring); offsets in cm, ``[dx, dy, dz]``."""
+    obs, actions = torch.as_tensor(ep.obs), torch.as_tensor(ep.actions)  # [T+1, O], [T, A]
+    check_layout(obs)
+    if not torch.allclose(obs[:, TCP_TO_OBJ], obs[:, OBJ] - obs[:, TCP], atol=1e-4):
+        raise ValueError("observation dims 36:39 are not cube minus gripper: not PickCube-v1's state layout")
+    closed = torch.nonzero(actions[:, GRIPPER] < 0).flatten()
+    t_close = int(closed[0]) if len(closed) else None
+    grasp_steps = torch.nonzero(obs[1:, 18] > 0.5).flatten()  # is_grasped after each step (not the reset obs)
+    offset = lambda t: [round(100 * float(x), 1) for x in obs[t, TCP_TO_OBJ]]  # noqa: E731
+    return {"seed": ep.seed, "success": bool(ep.success.any()), "grasped": grasped,
+            "first_grasp_step": int(grasp_steps[0]) + 1 if len(grasp_steps) else None,
+            "close_step": t_close, "offset_at_close_cm": offset(t_close) if t_close is not None else None,
+            f"offset_at_{look_at}_cm": offset(min(look_at, len(actions))),
+            "min_distance_cm": round(100 * float(obs[:, TCP_TO_OBJ].norm(dim=1).min()), 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("checkpoints", nargs="+", help="stage-1/2 best_model.pt or stage-3 last.pt (PickCube-v1)")
+    ap.add_argument("--episodes", type=int, default=96)
+    ap.add_argument("--num-envs", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=30000)
+    ap.add_argument("--K", type=int, default=4, help="inference steps of a stage-1/2 flow")
+    ap.add_argument("--look-at", type=int, default=30, help="also report the offset at this step")
+    ap.add_argument("--name", default="default")
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # leave the cores to the env workers
+    out, t0 = {}, time.time()
+    with make_env("PickCube-v1", args.num_envs, control_mode="pd_ee_delta_pos") as env:
+        for path in tqdm(args.checkpoints, desc="checkpoints"):
+            policy, meta = load_checkpoint_policy(path)
+            if meta["env_id"] != "PickCube-v1" or meta["control_mode"] != "pd_ee_delta_pos":
+                raise ValueError(f"{path} is a {meta['env_id']} / {meta['control_mode']} policy: this script reads "
+                                 "PickCube-v1 state observations and pd_ee_delta_pos actions")
+            result = bc.evaluate(policy, env, args.episodes, args.K, seed=args.seed, record=True)
+            grasped = result["per_episode_flags_once"]["is_grasped"]
+            eps = [episode_report(ep, g, args.look_at) for ep, g in zip(result["rollouts"], grasped)]
+            missed = [e for e in eps if not e["grasped"]]
+            lateral = [float(np.hypot(*e["offset_at_close_cm"][:2])) for e in missed if e["offset_at_close_cm"]]
+            first = sorted(e["first_grasp_step"] for e in eps if e["success"] and e["first_grasp_step"])
+            out[path] = {"success_once": result["success_once"], "grasped": float(np.mean(grasped)),
+                         "never_grasped": len(missed), "lateral_miss_at_close_cm_median":
+                         float(np.median(lateral)) if lateral else None,
+                         "first_grasp_step_of_successes": [first[0], first[len(first) // 2], first[-1]] if first else None,
+                         "never_grasped_episodes": missed}
+            print(f"\n{path}: success {result['success_once']:.3f}, grasped {np.mean(grasped):.3f}, "
+                  f"{len(missed)} of {len(eps)} never grasp; successes first grasp at steps "
+                  f"{out[path]['first_grasp_step_of_successes']} (min / median / max)")
+            for e in missed:
+                print(f"  seed {e['seed']}: closes at step {e['close_step']}, cube - gripper {e['offset_at_close_cm']} cm "
+                      f"(at step {args.look_at}: {e[f'offset_at_{args.look_at}_cm']}), closest {e['min_distance_cm']} cm")
+    path = run_dir("benchmarks", "grasp_failures") / f"{args.name}.json"
+    save_json(path, {"episodes": args.episodes, "seed": args.seed, "K": args.K, "wall_s": time.time() - t0,
+                     "checkpoints": out})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
