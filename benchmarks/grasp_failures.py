@@ -31,10 +31,9 @@ from flowlib.evaluate import load_checkpoint_policy
 from flowlib.runs import run_dir, save_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark that reads PickCube's layout
-from latent_steering import OBJ, TCP, check_layout  # noqa: E402
+from latent_steering import GRASPED, OBJ, TCP, TCP_TO_OBJ, check_layout  # noqa: E402
 
-TCP_TO_OBJ = slice(36, 39)  # PickCube-v1 state: cube position minus the gripper centre (m)
-GRIPPER = 3                 # pd_ee_delta_pos: dx, dy, dz, gripper
+GRIPPER = 3  # pd_ee_delta_pos: dx, dy, dz, gripper
 
 
 def episode_report(ep, grasped: bool, look_at: int) -> dict:
@@ -42,10 +41,11 @@ def episode_report(ep, grasped: bool, look_at: int) -> dict:
     obs, actions = torch.as_tensor(ep.obs), torch.as_tensor(ep.actions)  # [T+1, O], [T, A]
     check_layout(obs)
     if not torch.allclose(obs[:, TCP_TO_OBJ], obs[:, OBJ] - obs[:, TCP], atol=1e-4):
-        raise ValueError("observation dims 36:39 are not cube minus gripper: not PickCube-v1's state layout")
+        raise ValueError(f"observation dims {TCP_TO_OBJ.start}:{TCP_TO_OBJ.stop} are not cube minus gripper: "
+                         "not PickCube-v1's state layout")
     closed = torch.nonzero(actions[:, GRIPPER] < 0).flatten()
     t_close = int(closed[0]) if len(closed) else None
-    grasp_steps = torch.nonzero(obs[1:, 18] > 0.5).flatten()  # is_grasped after each step (not the reset obs)
+    grasp_steps = torch.nonzero(obs[1:, GRASPED] > 0.5).flatten()  # is_grasped after each step (not the reset obs)
     offset = lambda t: [round(100 * float(x), 1) for x in obs[t, TCP_TO_OBJ]]  # noqa: E731
     return {"seed": ep.seed, "success": bool(ep.success.any()), "grasped": grasped,
             "first_grasp_step": int(grasp_steps[0]) + 1 if len(grasp_steps) else None,

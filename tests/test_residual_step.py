@@ -2,6 +2,8 @@
 the correction that pays with the flow untouched, the collector's transitions chaining step to step, what is
 refused, and a real PickCube run that evaluates with the correction in the loop and resumes with its replay."""
 import dataclasses
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,15 @@ from test_reinflow import ACT_DIM, OBS_DIM, tiny_policy
 
 TD3 = {"steer": "residual_step", "learner": "td3", "reward": "shaped", "max_noise_std": 0.05, "final_noise_std": 0.05,
        "min_noise_std": 0.005, "latent_hidden_dims": [16], "value_hidden_dims": [32, 32]}
+
+
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module (the scripts are not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def step_agent(bound=0.5):
@@ -173,12 +184,7 @@ def test_td3_runs_in_a_real_pickcube_env_and_its_transitions_chain_step_to_step(
 
 
 def test_the_nudge_benchmark_moves_the_gripper_towards_the_goal_only_while_grasped():
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "closed_loop_nudge.py"
-    spec = importlib.util.spec_from_file_location("closed_loop_nudge", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("closed_loop_nudge")
     policy, _ = tiny_policy()
     obs = torch.zeros(2, 2, 42)                                   # PickCube's 42-dim state layout, two envs
     obs[:, -1, 26:29] = torch.tensor([0.1, 0.0, 0.2])            # goal
@@ -198,16 +204,10 @@ def test_the_nudge_benchmark_moves_the_gripper_towards_the_goal_only_while_grasp
 
 
 def test_the_grasp_failure_benchmark_reads_when_the_gripper_closes_and_how_far_off_it_is():
-    import importlib.util
-    from pathlib import Path
-
     import numpy as np
 
     from flowlib.data import Episode
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "grasp_failures.py"
-    spec = importlib.util.spec_from_file_location("grasp_failures", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("grasp_failures")
     T = 6
     obs = torch.zeros(T + 1, 42)                                        # PickCube's 42-dim state layout
     obs[:, 29:32] = torch.tensor([0.0, 0.0, 0.02])                     # the cube stays put
