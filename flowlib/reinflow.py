@@ -505,6 +505,7 @@ class ReinFlowConfig:
     td3_target_noise: float = 0.05      # std of the target policy's smoothing noise (normalised action units)
     td3_noise_clip: float = 0.1         # ... clipped to +-td3_noise_clip
     td3_policy_delay: int = 2           # critic steps per actor (and target) step
+    td3_n_step: int = 1                 # the critics' target sums n rewards before it bootstraps
     residual_l2: float = 0.0            # the actor's loss adds residual_l2 * mean (r / b)^2: r stays 0 unless Q pays
     # the noise method (flowlib.flow_sde; notebook 04)
     noise_method: str = "reinflow"      # reinflow / flow_noise (learned std) / flow_sde / flow_cps (noise_level a)
@@ -600,8 +601,9 @@ class ReinFlowConfig:
              f"steer 'residual_step' is learned by learner 'td3' and learner 'td3' learns steer 'residual_step' "
              f"(got steer {self.steer!r}, learner {self.learner!r}): set both"),
             (self.td3_target_noise >= 0 and self.td3_noise_clip >= 0 and self.td3_policy_delay >= 1
-             and self.residual_l2 >= 0,
-             "need td3_target_noise >= 0, td3_noise_clip >= 0, td3_policy_delay >= 1 and residual_l2 >= 0"),
+             and self.td3_n_step >= 1 and self.residual_l2 >= 0,
+             "need td3_target_noise >= 0, td3_noise_clip >= 0, td3_policy_delay >= 1, td3_n_step >= 1 and "
+             "residual_l2 >= 0"),
             (self.sac_batch_size >= 1 and self.sac_updates_per_decision > 0,
              "sac_batch_size must be >= 1 and sac_updates_per_decision > 0"),
             (self.sac_buffer_size >= self.sac_batch_size,

@@ -19,7 +19,8 @@ replay buffer: twin critics ``Q_1, Q_2 (s, r)`` on the clipped double-Q target w
     y = reward + gamma (1 - terminal) min_j Q_bar_j(s', clip(mu_bar(s') + clip(eps, -c, c), -b, b)),
     eps ~ N(0, td3_target_noise^2)
 
-and, every ``td3_policy_delay`` critic steps, the deterministic policy gradient ``max_phi Q_1(s, mu_phi(s))``
+(with ``td3_n_step`` = n > 1: ``sum_{k<m} gamma^k reward_{t+k} + gamma^m (1 - terminal) min_j Q_bar_j(s_{t+m}, ...)``,
+``NStepReturns``) and, every ``td3_policy_delay`` critic steps, the deterministic policy gradient ``max_phi Q_1(s, mu_phi(s))``
 (their Alg. 1) and the Polyak step of ``mu_bar``; ``Q_bar`` takes its Polyak step after every critic step, the
 warm-up's included (a target left at its random start would be what the warm-up fits).  Exploration adds ``N(0, sigma^2)`` to ``r``
 (``sigma`` = ``max_noise_std``, clipped to the bound).  ``mu_phi``'s last layer starts at zero: before any actor
@@ -138,6 +139,50 @@ class StepResidualAgent(ReinFlowAgent):
             torch._foreach_lerp_(list(target.parameters()), list(net.parameters()), tau)
 
 
+class NStepReturns:
+    """Turns the collector's one-step transitions into ``n``-step ones (Sutton & Barto 2018, Eq. 7.1; as in D4PG and
+    Rainbow, without an off-policy correction), so that a reward reaches the critic's target ``n`` steps earlier
+    than through ``n`` bootstraps::
+
+        R = sum_{k<m} (prod_{j<k} g_j) r_{t+k},   bootstrap = prod_{j<m} g_j,   s' = s_{t+m}
+
+    ``g_j`` = ``gamma (1 - terminal)`` of step ``t + j``, ``m = n``, or fewer where the episode ends inside the
+    window (a termination zeroes the bootstrap, a truncation keeps ``gamma^m`` and bootstraps from the last window)
+    or where ``flush`` cuts it.  All envs step together, so a window is the last ``n`` steps' ``[N, ...]`` rows:
+    ``push`` returns the oldest step's ``n``-step rows once ``n`` steps are pending, ``flush`` all pending ones
+    (the rollout was broken off: the runner restarted its episodes).  ``n = 1`` passes each step through."""
+
+    def __init__(self, n: int):
+        if n < 1:
+            raise ValueError(f"td3_n_step must be >= 1, got {n}")
+        self.n, self.pending = n, []
+
+    def push(self, **step: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        """``step``: one env step's rows of every replay field plus ``end [N]`` (the episode ended there)."""
+        self.pending.append(step)
+        return [self._pop()] if len(self.pending) == self.n else []
+
+    def flush(self) -> list[dict[str, torch.Tensor]]:
+        return [self._pop() for _ in range(len(self.pending))]
+
+    def _pop(self) -> dict[str, torch.Tensor]:
+        steps, first = self.pending, self.pending[0]
+        r = torch.stack([s["reward"] for s in steps])                                   # [L, N]
+        g = torch.stack([s["bootstrap"] for s in steps])                                # [L, N]
+        end = torch.stack([s["end"] for s in steps]).long()                             # [L, N]
+        before = torch.cumprod(torch.cat([torch.ones_like(g[:1]), g[:-1]]), 0)          # prod_{j<k} g_j
+        inside = (end.cumsum(0) - end) == 0                                             # no end before step k
+        last = torch.where(end.any(0), end.argmax(0), len(steps) - 1)                   # [N]: step m - 1
+        envs = torch.arange(len(last))
+        out = {k: v for k, v in first.items() if k in ("obs", "latent", "base")}
+        out["reward"] = (inside * before * r).sum(0)
+        out["bootstrap"] = (before * g)[last, envs]
+        for k in ("next_obs", "next_base"):
+            out[k] = torch.stack([s[k] for s in steps])[last, envs]
+        self.pending = steps[1:]
+        return out
+
+
 def replay_buffer(agent: StepResidualAgent, capacity: int) -> ReplayBuffer:
     """Transitions ``obs [To, O]``, ``latent`` = the residual ``r [A]``, ``reward``, ``bootstrap`` =
     ``gamma (1 - terminal)``, ``next_obs``, and the base actions ``base``, ``next_base`` ``[A]`` (normalised)."""
@@ -183,8 +228,10 @@ class StepCollector:
     per ended episode, not one per env and chunk.  It persists across iterations and re-plans every env when the
     runner's windows changed under it (a validation restarts them)."""
 
-    def __init__(self, agent: StepResidualAgent, runner: ChunkRunner, generator: torch.Generator | None = None):
+    def __init__(self, agent: StepResidualAgent, runner: ChunkRunner, generator: torch.Generator | None = None,
+                 n_step: int = 1):
         self.agent, self.runner, self.gen = agent, runner, generator
+        self.n_step = NStepReturns(n_step)  # steps wait here until their n-step return is known
         self.chunk, self.phase, self.window = None, 0, None  # [N, Ta, A] env units; steps into the common chunk
         self.offset = None  # [N]: where each env's own chunk started, in steps before the common boundary
 
@@ -203,6 +250,8 @@ class StepCollector:
         tp, policy_time = time.time(), 0.0
         rows, every = torch.arange(N), torch.ones(N, dtype=torch.bool)
         if self.window is None or not torch.equal(self.window, runner.window):
+            for row in self.n_step.flush():  # the episodes they belonged to were broken off
+                buffer.add(**row)
             self.chunk, self.offset, self.phase = torch.zeros(N, Ta, A), torch.zeros(N, dtype=torch.long), 0
             self._plan(every)
         policy_time += time.time() - tp
@@ -224,8 +273,10 @@ class StepCollector:
                 next_base[~out["end"]] = self.chunk[~out["end"], 0]  # the ended envs re-planned from their resets too
             elif out["end"].any():
                 self._plan(out["end"])
-            buffer.add(obs=window, latent=r, reward=out["reward"], bootstrap=out["discount"] * (~out["terminal"]).float(),
-                       next_obs=out["next_window"], base=base, next_base=norm(next_base))
+            for row in self.n_step.push(obs=window, latent=r, reward=out["reward"], end=out["end"],
+                                        bootstrap=out["discount"] * (~out["terminal"]).float(),
+                                        next_obs=out["next_window"], base=base, next_base=norm(next_base)):
+                buffer.add(**row)
             policy_time += time.time() - tp
         self.window = runner.window.clone()
         return policy_time
@@ -255,7 +306,7 @@ def train(cfg: ReinFlowConfig, agent: StepResidualAgent, env, run_path, tracker=
     buffer = replay_buffer(agent, cfg.sac_buffer_size)
     start, runner, best = resume_with_replay(cfg, agent, last, actor_opt, critic_opt, env, buffer, tracker)
     gen = torch.Generator().manual_seed(cfg.seed * 100_003 + start)
-    collector = StepCollector(agent, runner, gen)
+    collector = StepCollector(agent, runner, gen, cfg.td3_n_step)
     updates = max(1, round(cfg.sac_updates_per_decision * per_iter))
     bar = tqdm(total=num_iters, initial=start, desc="residual TD3", mininterval=10)
     for iteration in range(start, num_iters):

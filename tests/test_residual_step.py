@@ -10,7 +10,8 @@ import torch
 
 from flowlib import bc, reinflow
 from flowlib.envs import make_env
-from flowlib.residual_step import StepCollector, StepResidualAgent, optimizers, replay_buffer, td3_update
+from flowlib.residual_step import (NStepReturns, StepCollector, StepResidualAgent, optimizers, replay_buffer,
+                                   td3_update)
 from flowlib.tracking import Tracker
 from test_reinflow import ACT_DIM, OBS_DIM, tiny_policy
 
@@ -114,6 +115,67 @@ def test_the_actor_moves_to_the_correction_that_pays_and_leaves_the_flow_as_it_w
     assert all(torch.equal(a, b) for a, b in zip(flow, agent.actor.base.parameters()))
 
 
+def n_step_stream(T, N, g=0.8, seed=0):
+    """T steps of N envs: rewards, ``gamma (1 - terminal)``, ends (a truncation keeps gamma) and numbered windows."""
+    gen = torch.Generator().manual_seed(seed)
+    end = torch.rand(T, N, generator=gen) < 0.15
+    terminal = end & (torch.rand(T, N, generator=gen) < 0.5)
+    steps = [{"obs": torch.full((N, 1), float(t)), "latent": torch.full((N, 1), float(t)), "base": torch.zeros(N, 1),
+              "reward": torch.randn(N, generator=gen), "bootstrap": g * (~terminal[t]).float(), "end": end[t],
+              "next_obs": torch.full((N, 1), t + 1.0), "next_base": torch.full((N, 1), t + 1.0)} for t in range(T)]
+    return steps
+
+
+def test_n_step_returns_sum_rewards_up_to_n_steps_or_the_episode_end():
+    g = 0.8
+    steps = n_step_stream(4, 2, g)
+    for s in steps:
+        s["reward"], s["bootstrap"], s["end"] = torch.ones(2), torch.full((2,), g), torch.zeros(2, dtype=torch.bool)
+    steps[1]["end"][0] = True                            # env 0: truncated after step 1 (bootstraps from its window)
+    steps[2]["end"][1], steps[2]["bootstrap"][1] = True, 0.0  # env 1: terminated at step 2
+    acc = NStepReturns(3)
+    assert acc.push(**steps[0]) == [] and acc.push(**steps[1]) == []
+    (first,) = acc.push(**steps[2])
+    assert torch.allclose(first["reward"], torch.tensor([1 + g, 1 + g + g * g]))
+    assert torch.allclose(first["bootstrap"], torch.tensor([g * g, 0.0]))   # env 1's termination: no bootstrap
+    assert first["next_obs"].flatten().tolist() == [2.0, 3.0] and first["obs"].flatten().tolist() == [0.0, 0.0]
+    (second,) = acc.push(**steps[3])                     # from step 1: env 0 ends at once, env 1 at step 2
+    assert torch.allclose(second["reward"], torch.tensor([1.0, 1 + g])) and second["next_obs"].flatten().tolist() == [2.0, 3.0]
+    assert torch.allclose(second["bootstrap"], torch.tensor([g, 0.0]))
+    rest = acc.flush()                                   # steps 2 and 3, cut where the stream stops
+    assert [r["obs"][0].item() for r in rest] == [2.0, 3.0] and acc.pending == []
+    assert torch.allclose(rest[0]["reward"], torch.tensor([1 + g, 1.0])) and rest[0]["next_obs"].flatten().tolist() == [4.0, 3.0]
+    assert torch.allclose(rest[0]["bootstrap"], torch.tensor([g * g, 0.0]))
+    with pytest.raises(ValueError, match="td3_n_step must be >= 1"):
+        NStepReturns(0)
+    with pytest.raises(ValueError, match="td3_n_step >= 1"):
+        reinflow.ReinFlowConfig(steer="residual_step", learner="td3", td3_n_step=0)
+
+
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_n_step_returns_match_a_per_env_loop(n):
+    T, N, g = 40, 3, 0.8
+    steps = n_step_stream(T, N, g, seed=n)
+    acc = NStepReturns(n)
+    rows = [row for s in steps for row in acc.push(**s)] + acc.flush()
+    assert [r["obs"][0].item() for r in rows] == list(range(T))
+    for t, row in enumerate(rows):
+        for i in range(N):  # walk env i forward from step t until n steps, its episode's end or the stream's end
+            ret, disc, k = 0.0, 1.0, t
+            while True:
+                ret += disc * steps[k]["reward"][i].item()
+                disc *= steps[k]["bootstrap"][i].item()
+                if steps[k]["end"][i] or k == t + n - 1 or k == T - 1:
+                    break
+                k += 1
+            assert row["reward"][i].item() == pytest.approx(ret, abs=1e-5)
+            assert row["bootstrap"][i].item() == pytest.approx(disc, abs=1e-6)
+            assert row["next_obs"][i].item() == k + 1 and row["next_base"][i].item() == k + 1
+    if n == 1:  # one step: the transitions pass through unchanged
+        assert all(torch.equal(r["reward"], s["reward"]) and torch.equal(r["bootstrap"], s["bootstrap"])
+                   for r, s in zip(rows, steps))
+
+
 def test_what_has_no_meaning_for_a_per_step_residual_is_refused():
     with pytest.raises(ValueError, match="steer 'residual_step' is learned by learner 'td3'"):
         reinflow.ReinFlowConfig(steer="residual_step")
@@ -176,6 +238,22 @@ def test_td3_runs_in_a_real_pickcube_env_and_its_transitions_chain_step_to_step(
         assert (chained | ~same).all()
         assert torch.allclose(d["latent"].mean((0, 1)), torch.full((ACT_DIM,), 0.5 * torch.tanh(torch.tensor(0.2))),
                               atol=0.03)
+
+        # the same rollout again with 3-step returns: each row sums the one-step rewards above up to 3 steps or the
+        # episode's end, and bootstraps from the window there
+        runner3 = reinflow.ChunkRunner(env, agent.obs_horizon, 0.99, "shaped", first_seed=123)
+        buffer3 = replay_buffer(agent, 100)
+        StepCollector(agent, runner3, torch.Generator().manual_seed(0), n_step=3).collect(buffer3, 30)
+        d3 = {k: v[:56].view(28, 2, *v.shape[1:]) for k, v in buffer3.data.items()}   # 2 steps still pending
+        assert len(buffer3) == 56 and torch.equal(d3["obs"], d["obs"][:28]) and torch.equal(d3["latent"], d["latent"][:28])
+        goes_on = torch.cat([same.float(), torch.zeros(1, 2)])                          # [T, N]: step t+1 continues t
+        ret, disc, alive = torch.zeros(28, 2), torch.ones(28, 2), torch.ones(28, 2)
+        for k in range(3):
+            ret += alive * disc * d["reward"][k:k + 28]
+            last = alive.bool()
+            disc = torch.where(last, disc * d["bootstrap"][k:k + 28], disc)
+            alive = alive * goes_on[k:k + 28]
+        assert torch.allclose(d3["reward"], ret, atol=1e-5) and torch.allclose(d3["bootstrap"], disc, atol=1e-6)
     reloaded = reinflow.load_agent(run / "last.pt")
     assert isinstance(reloaded, StepResidualAgent)
     window = torch.randn(3, 2, OBS_DIM)
