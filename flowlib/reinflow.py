@@ -487,6 +487,7 @@ class ReinFlowConfig:
     # added to the executed actions; max/min/final_noise_std are then sigma's bounds (normalised action units)
     residual_bound: float = 0.5         # |mu| <= residual_bound per dim (the normaliser's [-1, 1] is the demos' range)
     residual_per: str = "action"        # "action": r [Ta, A], one per executed action; "chunk": r [A], for all Ta
+    residual_gripper: bool = True       # steer "residual_step": False leaves the last action dim (the gripper) to the base
     # steer "residual_step" (flowlib.residual_step): a correction r = mu(o_t, a_b) of every executed action from the
     # current observation (closed loop), learned off-policy with learner "td3"; max_noise_std: r's exploration std
     # how steer "latent" learns pi(x_0 | o): "ppo" (on-policy: the PPO fields below) or "sac" (flowlib.latent_sac,
@@ -594,6 +595,8 @@ class ReinFlowConfig:
             (self.latent_bound > 0, f"latent_bound must be > 0, got {self.latent_bound}"),
             (self.residual_bound > 0, f"residual_bound must be > 0, got {self.residual_bound}"),
             (self.residual_per in RESIDUAL_PER, f"residual_per must be one of {RESIDUAL_PER}, got {self.residual_per!r}"),
+            (self.residual_gripper or self.steer == "residual_step",
+             f"residual_gripper False is an option of steer 'residual_step' (got steer {self.steer!r})"),
             (self.learner in LEARNERS, f"learner must be one of {LEARNERS}, got {self.learner!r}"),
             (self.learner != "sac" or self.steer == "latent",
              f"learner 'sac' learns a policy over x_0: it needs steer 'latent' (got steer {self.steer!r})"),
@@ -936,7 +939,7 @@ def _agent(policy, cfg: ReinFlowConfig) -> ReinFlowAgent:
 
         return StepResidualAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
                                  tuple(cfg.value_hidden_dims), cfg.residual_bound, tuple(cfg.latent_hidden_dims),
-                                 **common)
+                                 correct_gripper=cfg.residual_gripper, **common)
     if cfg.steer == "residual":
         from .residual import ResidualAgent  # it subclasses LatentSteeringAgent
 

@@ -56,13 +56,15 @@ class StepResidualAgent(ReinFlowAgent):
     """The frozen flow (its deterministic chain from ``x_0 ~ N(0, I)`` proposes each chunk) plus the residual actor
     ``mu_phi(o, a_b)``, its TD3 twin critics ``Q(o, a_b, r)`` and the Polyak targets of both (module docstring).
     ``residual_bound`` is ``b``; ``max_noise_std`` the exploration std of ``r``; ``residual_hidden`` the actor's
-    hidden sizes, ``value_hidden_dims`` the critics'.  The ReinFlow noise and value nets it inherits are unused."""
+    hidden sizes, ``value_hidden_dims`` the critics'.  ``correct_gripper`` False keeps ``r``, its exploration and its
+    target smoothing at 0 on the last action dim (the gripper), which then runs as the base commands it.  The
+    ReinFlow noise and value nets it inherits are unused."""
 
     STEER = "residual_step"
 
     def __init__(self, policy, num_inference_steps: int = 8, min_noise_std: float = 0.01, max_noise_std: float = 0.05,
                  value_hidden_dims: tuple[int, ...] = (256, 256), residual_bound: float = 0.5,
-                 residual_hidden: tuple[int, ...] = (256, 256), **kwargs):
+                 residual_hidden: tuple[int, ...] = (256, 256), correct_gripper: bool = True, **kwargs):
         refuse_chain_options(kwargs, f"steer {self.STEER!r} runs the flow's ODE and learns off-policy (no chain "
                                      "log-prob)")
         if not residual_bound > 0:
@@ -78,6 +80,10 @@ class StepResidualAgent(ReinFlowAgent):
         self.q = TwinQ(self.state_dim, self.action_dim, tuple(value_hidden_dims))
         self.q_target = copy.deepcopy(self.q).requires_grad_(False)
         self.register_buffer("explore_std", torch.tensor(float(max_noise_std)))
+        mask = torch.ones(self.action_dim)
+        if not correct_gripper:
+            mask[-1] = 0.0  # ManiSkill's pd_ee_delta_pos: [dx, dy, dz, gripper]
+        self.register_buffer("residual_mask", mask, persistent=False)  # [A]: 1 where r may act (from the config)
 
     # parameter groups
     def policy_parameters(self):
@@ -94,8 +100,9 @@ class StepResidualAgent(ReinFlowAgent):
         return torch.cat([self._norm_obs(obs_window).flatten(1), base], 1)
 
     def residual(self, s: torch.Tensor, target: bool = False) -> torch.Tensor:
-        """``mu_phi(s) = b tanh(f_phi(s))`` ``[B, A]`` (``target``: the Polyak-averaged actor's)."""
-        return self.residual_bound * torch.tanh((self.residual_target if target else self.residual_net)(s))
+        """``mu_phi(s) = b tanh(f_phi(s))`` ``[B, A]``, 0 on the dims it leaves to the base (``target``: the
+        Polyak-averaged actor's)."""
+        return self.residual_bound * torch.tanh((self.residual_target if target else self.residual_net)(s)) * self.residual_mask
 
     @torch.no_grad()
     def base_chunk(self, obs_window: torch.Tensor, generator: torch.Generator | None = None,
@@ -124,7 +131,7 @@ class StepResidualAgent(ReinFlowAgent):
     def explore_noise(self, r: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """``clip(r + N(0, sigma^2), -b, b)``."""
         eps = torch.randn(r.shape, generator=generator).to(r.device)
-        return (r + self.explore_std * eps).clamp(-self.residual_bound, self.residual_bound)
+        return (r + self.explore_std * eps * self.residual_mask).clamp(-self.residual_bound, self.residual_bound)
 
     def critic(self, s: torch.Tensor, r: torch.Tensor, target: bool = False) -> torch.Tensor:
         """``Q_1, Q_2 (s, r)`` ``[2, B]`` (``target``: the Polyak-averaged pair), with ``r / b`` as input, so that the
@@ -199,6 +206,7 @@ def td3_update(agent: StepResidualAgent, batch: dict[str, torch.Tensor], actor_o
     s, s_next = agent.state(b["obs"], b["base"]), agent.state(b["next_obs"], b["next_base"])
     with torch.no_grad():
         eps = (torch.randn_like(b["latent"]) * cfg.td3_target_noise).clamp(-cfg.td3_noise_clip, cfg.td3_noise_clip)
+        eps = eps * agent.residual_mask
         r_next = (agent.residual(s_next, target=True) + eps).clamp(-agent.residual_bound, agent.residual_bound)
         y = b["reward"] + b["bootstrap"] * agent.critic(s_next, r_next, target=True).min(0).values  # [B]
     q = agent.critic(s, b["latent"])                                                          # [2, B]

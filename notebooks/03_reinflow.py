@@ -174,6 +174,7 @@ steer = "chain"  # "latent": PPO on a Gaussian policy over x_0 (flowlib.latent);
 latent_bound = 2.5
 latent_hidden_dims = [256, 256]
 residual_bound = 0.5
+residual_gripper = True  # steer "residual_step": False leaves the gripper dim to the base
 residual_per = "action"  # steer "residual": "chunk" adds one correction r [A] to every executed action
 learner = "ppo"  # steer "latent": "sac" learns pi(x_0 | o) off-policy from a replay buffer (flowlib.latent_sac)
                  # steer "residual_step": "td3"

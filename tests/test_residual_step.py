@@ -176,6 +176,31 @@ def test_n_step_returns_match_a_per_env_loop(n):
                    for r, s in zip(rows, steps))
 
 
+def test_without_the_gripper_the_residual_its_noise_and_its_target_smoothing_leave_the_last_dim_alone():
+    policy, dataset = tiny_policy()
+    agent = StepResidualAgent(policy, 4, max_noise_std=0.05, value_hidden_dims=(32, 32), residual_bound=0.5,
+                              residual_hidden=(16,), noise_hidden=16, correct_gripper=False)
+    obs = torch.stack([dataset[i][0] for i in range(5)])
+    with torch.no_grad():
+        agent.residual_net[-1].bias.fill_(1.0)  # a correction on every dim, were it allowed
+    a = torch.zeros(5, ACT_DIM)  # inside the action box, so nothing is clipped
+    agent.explore = torch.Generator().manual_seed(1)
+    moved = agent.action_normalizer.normalize(agent.correct_step(obs, a)) - agent.action_normalizer.normalize(a)
+    assert (moved[:, :-1].abs() > 0.1).all() and torch.allclose(moved[:, -1], torch.zeros(5), atol=1e-5)
+    cfg = reinflow.ReinFlowConfig(**{k: v for k, v in TD3.items() if k != "reward"}, residual_gripper=False)
+    assert reinflow._agent(policy, cfg).residual_mask.tolist() == [1.0] * (ACT_DIM - 1) + [0.0]  # the config's way in
+    assert reinflow._agent(policy, dataclasses.replace(cfg, residual_gripper=True)).residual_mask.min() == 1.0
+    actor_opt, critic_opt = optimizers(agent, cfg)
+    base = torch.randn(5, ACT_DIM)
+    batch = {"obs": obs, "latent": agent.residual(agent.state(obs, base)), "reward": torch.ones(5),
+             "bootstrap": torch.full((5,), 0.8), "next_obs": obs, "base": base, "next_base": base}
+    assert (batch["latent"][:, -1] == 0).all()
+    td3_update(agent, batch, actor_opt, critic_opt, cfg)
+    assert (agent.residual(agent.state(obs, base))[:, -1] == 0).all()
+    with pytest.raises(ValueError, match="residual_gripper False is an option of steer 'residual_step'"):
+        reinflow.ReinFlowConfig(residual_gripper=False)
+
+
 def test_what_has_no_meaning_for_a_per_step_residual_is_refused():
     with pytest.raises(ValueError, match="steer 'residual_step' is learned by learner 'td3'"):
         reinflow.ReinFlowConfig(steer="residual_step")
