@@ -469,6 +469,8 @@ class ReinFlowConfig:
     reward_scale: float = 1.0           # learning sees reward_scale * r (value targets of O(1)); logged returns are raw
     success_bonus: float = 0.0          # reward "dense": learning adds this per step while the task is solved
                                         # (dense pays a near-miss 0.5-0.8 per step, a success 1); not logged
+    reach_weight: float = 0.0           # PickCube, reward "dense" / "shaped": learning's reward (dense) or potential
+                                        # (shaped) adds reach_weight * (1 - tanh(5 |cube - gripper|)), 1 once grasped
     # the denoising MDP
     num_inference_steps: int = 8        # K
     min_noise_std: float = 0.01
@@ -569,6 +571,13 @@ class ReinFlowConfig:
             (self.success_bonus == 0 or self.reward == "dense",
              f"success_bonus ({self.success_bonus}) applies to reward 'dense' only (got reward {self.reward!r}): "
              f"the sparse and shaped rewards already pay a success alone; set success_bonus: 0.0 or reward: dense"),
+            (self.reach_weight >= 0, f"reach_weight must be >= 0, got {self.reach_weight}"),
+            (self.reach_weight == 0 or self.reward in ("dense", "shaped"),
+             f"reach_weight ({self.reach_weight}) adds to the dense reward or the shaped reward's potential (got reward "
+             f"{self.reward!r}): set reach_weight: 0.0 or reward: dense / shaped"),
+            (self.reach_weight == 0 or self.env_id in REACH_ENVS,
+             f"reach_weight reads the reach term out of the dense reward of {REACH_ENVS} (got env_id {self.env_id!r}): "
+             f"set reach_weight: 0.0"),
             (self.obs_clip >= 0, f"obs_clip must be >= 0 (0: no clipping), got {self.obs_clip}"),
             (0 <= self.noise_corr < 1, f"noise_corr must be in [0, 1) (0: independent), got {self.noise_corr}"),
             (self.act_horizon >= 0, f"act_horizon must be >= 0 (0: the checkpoint's own), got {self.act_horizon}"),
@@ -643,6 +652,7 @@ class ReinFlowConfig:
 
 
 REWARDS = ("sparse", "dense", "shaped")
+REACH_ENVS = ("PickCube-v1",)  # whose normalized dense reward is the reach term / 5 until the cube is grasped
 STEER = ("chain", "latent", "residual", "residual_step")  # what RL moves: the velocity net through the noisy
     # chain, x_0 (flowlib.latent), a correction of the executed actions per decision (flowlib.residual) or per env
     # step from the current observation (flowlib.residual_step)
@@ -673,13 +683,15 @@ class ChunkRunner:
     EPISODE_STATE = ("window", "ep_return", "ep_success", "ep_flags", "ep_length", "active", "phi")  # what ``save`` keeps
 
     def __init__(self, env, obs_horizon: int, gamma: float, reward: str = "sparse", first_seed: int = 2_000_000,
-                 reward_scale: float = 1.0, success_bonus: float = 0.0):
+                 reward_scale: float = 1.0, success_bonus: float = 0.0, reach_weight: float = 0.0):
         if reward not in REWARDS:
             raise ValueError(f"reward must be one of {REWARDS}, got {reward!r}")
         if success_bonus and reward != "dense":
             raise ValueError(f"success_bonus applies to reward 'dense' only, got reward {reward!r}")
+        if reach_weight and reward == "sparse":
+            raise ValueError(f"reach_weight applies to reward 'dense' or 'shaped', got reward {reward!r}")
         self.env, self.obs_horizon, self.gamma, self.reward = env, obs_horizon, gamma, reward
-        self.reward_scale, self.success_bonus = reward_scale, success_bonus
+        self.reward_scale, self.success_bonus, self.reach_weight = reward_scale, success_bonus, reach_weight
         N = env.num_envs
         self.next_seed = first_seed + N
         obs = env.reset(seed=first_seed)
@@ -762,13 +774,24 @@ class ChunkRunner:
         """One env step's ``(task reward, termination, extra)`` per env under ``self.reward``; ``extra`` is
         what learning adds to the task reward and the logged return does not (shaping term, success bonus)."""
         if self.reward == "dense":
-            return r, term, self.success_bonus * success.float()
+            extra = self.success_bonus * success.float()
+            return r, term, extra + self.reach_weight * self._reach(r, success) if self.reach_weight else extra
         if self.reward == "sparse":
             return success.float(), success, torch.zeros_like(r)
-        phi = torch.where(success, 0.0, r)  # normalized dense of the state reached; 0 once the episode ends
+        phi = r + self.reach_weight * self._reach(r, success) if self.reach_weight else r
+        phi = torch.where(success, 0.0, phi)  # the potential of the state reached; 0 once the episode ends
         shaping = self.gamma * phi - self.phi
         self.phi = torch.where(alive, phi, self.phi)
         return success.float(), success, shaping
+
+    def _reach(self, r: torch.Tensor, success: torch.Tensor) -> torch.Tensor:
+        """PickCube's reaching term ``1 - tanh(5 |cube - gripper|)`` of the state reached, per env: ``5 r``
+        (its normalized dense reward) until the cube is grasped, 1 once it is or the task is solved."""
+        flags = getattr(self.env, "task_flags", {})
+        if "is_grasped" not in flags:
+            raise ValueError(f"reach_weight needs the env's is_grasped flag (PickCube-v1's), got flags {list(flags)}: "
+                             "set reach_weight: 0.0")
+        return torch.where(flags["is_grasped"].cpu() | success, 1.0, (5 * r).clamp(max=1.0))
 
     def step_branches(self, actions: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         """Try ``M`` chunks ``actions [M, N, Ta, A]`` from the current state of every env: branch ``m < M-1``
@@ -1126,7 +1149,8 @@ def resume(cfg: ReinFlowConfig, agent: ReinFlowAgent, last: Path, actor_opt, cri
             tracker.rewind(env_steps)
         print(f"resumed from {last} at iteration {start} ({env_steps} env steps)")
     runner = ChunkRunner(env, agent.obs_horizon, cfg.gamma, cfg.reward, first_seed=next_seed,
-                         reward_scale=cfg.reward_scale, success_bonus=cfg.success_bonus)
+                         reward_scale=cfg.reward_scale, success_bonus=cfg.success_bonus,
+                         reach_weight=cfg.reach_weight)
     runner.env_steps = env_steps
     return start, runner, best, ckpt
 

@@ -90,6 +90,10 @@
 # (Dense returns can rise while success falls: carrying the cube near the goal without succeeding earns
 # 0.5-0.8 per step against success's 1, and a fine-tuned policy learned just that; see the README.)
 # `success_bonus` $B$ (dense only) adds $B$ per solved step to what learning sees, so success earns $1 + B$.
+# `reach_weight` $w$ (PickCube) adds $w \cdot \mathrm{reach}(s')$, ManiSkill's reaching term
+# $1 - \tanh(5\,\lVert p_{\rm cube} - p_{\rm gripper}\rVert)$ (1 once grasped), to the dense reward or to the
+# shaped reward's potential: the dense reward pays only $\mathrm{reach}/5$ for the approach, a few thousandths
+# per step for closing in on a cube the gripper is about to miss.
 #
 # **Why it needs many samples.** The gradient is a likelihood-ratio estimate through the noise of every
 # stochastic step: with $K = 4$ and $8 \times 4$ executed dims, one decision's advantage is spread over
@@ -160,6 +164,7 @@ backend = "auto"
 reward = "sparse"
 reward_scale = 1.0
 success_bonus = 0.0
+reach_weight = 0.0  # PickCube, dense or shaped: weight on the reach term 1 - tanh(5 d) (learning only)
 num_inference_steps = 8
 min_noise_std = 0.01
 max_noise_std = 0.3

@@ -527,6 +527,64 @@ def test_success_bonus_adds_to_what_learning_sees_on_solved_steps_only():
         reinflow.ReinFlowConfig(reward="dense", success_bonus=-1.0)
 
 
+class Approach:
+    """A scripted PickCube-like env for the reach term: the gripper closes in on the cube, reach(t) =
+    1 - tanh(5 d_t) with d_t = 0.1 / t, the normalized dense reward reach / 5 until the grasp at step
+    ``grasp_at`` (is_grasped from then on, dense 0.5), and success (dense 1) at step ``solved_at``; the env
+    never terminates (``"shaped"`` ends the episode at success itself)."""
+
+    num_envs, device = 1, "cpu"
+
+    def __init__(self, grasp_at: int, solved_at: int, flags: bool = True):
+        self.grasp_at, self.solved_at, self.flags, self.t = grasp_at, solved_at, flags, 0
+        self.task_flags = {}
+
+    def reach(self, t: int) -> float:
+        return 1 - math.tanh(5 * 0.1 / t)
+
+    def reset(self, seed=None):
+        self.t = 0
+        return torch.zeros(1, OBS_DIM)
+
+    def step(self, action):
+        self.t += 1
+        grasped, success = self.t >= self.grasp_at, self.t >= self.solved_at
+        dense = 1.0 if success else 0.5 if grasped else self.reach(self.t) / 5
+        if self.flags:
+            self.task_flags = {"is_grasped": torch.tensor([grasped])}
+        return torch.full((1, OBS_DIM), float(self.t)), torch.tensor([dense]), torch.zeros(1, dtype=torch.bool), \
+            torch.zeros(1, dtype=torch.bool), torch.tensor([success])
+
+
+def test_reach_weight_adds_the_reach_term_to_the_dense_reward_and_to_the_shaped_potential():
+    """Grasp at step 4, success at 6: learning's dense reward gains w reach(s') (5 r before the grasp, 1 from
+    it); the shaped reward's potential phi = r + w reach, 0 at success, so its terms still telescope."""
+    gamma, w, env = 0.8, 2.0, Approach(grasp_at=4, solved_at=6)
+    reach = [env.reach(t) for t in (1, 2, 3)] + [1.0, 1.0, 1.0]  # after steps 1..6
+    dense = [x / 5 for x in reach[:3]] + [0.5, 0.5, 1.0]
+    runner = reinflow.ChunkRunner(Approach(4, 6), obs_horizon=2, gamma=gamma, reward="dense", reach_weight=w)
+    out = runner.step_chunk(torch.zeros(1, 6, ACT_DIM))
+    assert out["reward"].item() == pytest.approx(sum(gamma ** k * (dense[k] + w * reach[k]) for k in range(6)))
+    assert runner.ep_return.item() == pytest.approx(sum(dense))  # logged: the env's own
+    runner = reinflow.ChunkRunner(Approach(4, 6), obs_horizon=2, gamma=gamma, reward="shaped", reach_weight=w)
+    out = runner.step_chunk(torch.zeros(1, 8, ACT_DIM), auto_reset=False)
+    phi = [0.0] + [dense[k] + w * reach[k] for k in range(5)] + [0.0]  # phi(s_0) = 0, phi(success) = 0
+    shaped = sum(gamma ** k * ((k == 5) + gamma * phi[k + 1] - phi[k]) for k in range(6))
+    assert out["reward"].item() == pytest.approx(shaped) and out["terminal"].item()
+    assert shaped == pytest.approx(gamma ** 5)  # the potential telescopes away: the sparse return alone
+    with pytest.raises(ValueError, match="is_grasped flag"):
+        reinflow.ChunkRunner(Approach(4, 6, flags=False), 2, gamma, reward="dense", reach_weight=w).step_chunk(
+            torch.zeros(1, 1, ACT_DIM))
+    with pytest.raises(ValueError, match="reach_weight applies"):
+        reinflow.ChunkRunner(Approach(4, 6), 2, gamma, reward="sparse", reach_weight=w)
+    with pytest.raises(ValueError, match="reward: dense / shaped"):
+        reinflow.ReinFlowConfig(reward="sparse", reach_weight=1.0)
+    with pytest.raises(ValueError, match="env_id 'PushCube-v1'"):
+        reinflow.ReinFlowConfig(reward="dense", reach_weight=1.0, env_id="PushCube-v1")
+    with pytest.raises(ValueError, match="reach_weight must be >= 0"):
+        reinflow.ReinFlowConfig(reward="dense", reach_weight=-1.0)
+
+
 def test_finish_episodes_is_the_discounted_rest_of_the_episode_bootstrapped_at_the_time_limit():
     """From step 0 of a 20-step episode (chunks of 8, 8 and 4 executed steps): G = sum_k gamma^k r_(k+1)
     + gamma^20 V(last window), whatever actions the policy takes; an ended episode then adds nothing."""
