@@ -773,13 +773,12 @@ class ChunkRunner:
     def _reward(self, r: torch.Tensor, term: torch.Tensor, success: torch.Tensor, alive: torch.Tensor):
         """One env step's ``(task reward, termination, extra)`` per env under ``self.reward``; ``extra`` is
         what learning adds to the task reward and the logged return does not (shaping term, success bonus)."""
-        if self.reward == "dense":
-            extra = self.success_bonus * success.float()
-            return r, term, extra + self.reach_weight * self._reach(r, success) if self.reach_weight else extra
         if self.reward == "sparse":
             return success.float(), success, torch.zeros_like(r)
-        phi = r + self.reach_weight * self._reach(r, success) if self.reach_weight else r
-        phi = torch.where(success, 0.0, phi)  # the potential of the state reached; 0 once the episode ends
+        reach = self.reach_weight * self._reach(r, success) if self.reach_weight else 0.0
+        if self.reward == "dense":
+            return r, term, self.success_bonus * success.float() + reach
+        phi = torch.where(success, 0.0, r + reach)  # the potential of the state reached; 0 once the episode ends
         shaping = self.gamma * phi - self.phi
         self.phi = torch.where(alive, phi, self.phi)
         return success.float(), success, shaping
