@@ -332,3 +332,29 @@ def test_the_grasp_failure_benchmark_reads_when_the_gripper_closes_and_how_far_o
         obs[:, 36] += 0.1
         bench.episode_report(Episode(obs.numpy(), actions.numpy(), np.zeros(T), np.zeros(T, bool), np.zeros(T, bool),
                                      np.zeros(T, bool), 7), grasped=True, look_at=2)
+
+
+def test_the_episode_layout_benchmark_reads_the_layouts_the_evaluation_met_and_splits_by_them(tmp_path):
+    import pandas as pd
+
+    bench = load_benchmark("episode_layout")
+    seeds = list(range(30000, 30004))
+    with make_env("PickCube-v1", 4, control_mode="pd_ee_delta_pos") as env:  # as flowlib.bc.evaluate resets them
+        obs = env.reset(seed=seeds).cpu()                                      # [4, 42]
+    lay = bench.layouts(seeds)                                                  # one env, one seed at a time
+    assert torch.allclose(torch.tensor(lay[["cx", "cy"]].values, dtype=torch.float32), obs[:, 29:31], atol=1e-6)
+    assert torch.allclose(torch.tensor(lay[["gx", "gy", "gz"]].values, dtype=torch.float32), obs[:, 26:29], atol=1e-6)
+    assert lay.gz.between(0.0, 0.4).all() and lay.cy.abs().max() <= 0.1
+
+    d = pd.DataFrame({"env_seed": range(6), "policy": "p", "cy": [-0.05, -0.02, -0.01, 0.03, 0.04, 0.06],
+                      "gz": [0.03, 0.04, 0.15, 0.15, 0.25, 0.25], "success": [0, 0, 1, 1, 1, 0],
+                      "is_grasped": [False, True, True, True, True, True],
+                      "is_obj_placed": [False, False, True, True, True, False]})
+    t = bench.tables(d)["p"]
+    assert t["halves"]["y<0"] == {"episodes": 3, "grasped": pytest.approx(2 / 3), "success": pytest.approx(1 / 3)}
+    assert t["halves"]["y>=0"] == {"episodes": 3, "grasped": 1.0, "success": pytest.approx(2 / 3)}
+    by_z = t["placed_given_grasped_by_goal_z"]  # the ungrasped episode (gz 0.03) is left out
+    assert by_z["(0.0, 0.05]"] == {"grasped": 1, "placed": 0.0} and by_z["(0.1, 0.2]"] == {"grasped": 2, "placed": 1.0}
+    assert by_z["(0.2, 0.3]"] == {"grasped": 2, "placed": 0.5} and by_z["(0.3, 0.4]"] == {"grasped": 0, "placed": None}
+    with pytest.raises(FileNotFoundError, match="run `python -m flowlib.evaluate"):
+        bench.episodes(tmp_path / "nowhere")
