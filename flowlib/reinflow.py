@@ -510,6 +510,8 @@ class ReinFlowConfig:
     td3_policy_delay: int = 2           # critic steps per actor (and target) step
     td3_n_step: int = 1                 # the critics' target sums n rewards before it bootstraps
     residual_l2: float = 0.0            # the actor's loss adds residual_l2 * mean (r / b)^2: r stays 0 unless Q pays
+    actor_lr_warmup_steps: int = 0      # env steps past critic_warmup_steps over which the actor's lr ramps from 0
+                                        # to actor_lr (0: full at once); learner "td3"
     # the noise method (flowlib.flow_sde; notebook 04)
     noise_method: str = "reinflow"      # reinflow / flow_noise (learned std) / flow_sde / flow_cps (noise_level a)
     noise_level: float = 0.5            # a of flow_sde / flow_cps; scaled by the noise schedule like max_noise_std
@@ -616,6 +618,10 @@ class ReinFlowConfig:
              and self.td3_n_step >= 1 and self.residual_l2 >= 0,
              "need td3_target_noise >= 0, td3_noise_clip >= 0, td3_policy_delay >= 1, td3_n_step >= 1 and "
              "residual_l2 >= 0"),
+            (self.actor_lr_warmup_steps >= 0, f"actor_lr_warmup_steps must be >= 0, got {self.actor_lr_warmup_steps}"),
+            (self.actor_lr_warmup_steps == 0 or self.learner == "td3",
+             f"actor_lr_warmup_steps ({self.actor_lr_warmup_steps}) ramps learner 'td3''s actor (got learner "
+             f"{self.learner!r}): set actor_lr_warmup_steps: 0"),
             (self.sac_batch_size >= 1 and self.sac_updates_per_decision > 0,
              "sac_batch_size must be >= 1 and sac_updates_per_decision > 0"),
             (self.sac_buffer_size >= self.sac_batch_size,

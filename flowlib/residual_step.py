@@ -300,11 +300,21 @@ def optimizers(agent: StepResidualAgent, cfg: ReinFlowConfig):
             torch.optim.Adam(agent.value_parameters(), lr=cfg.critic_lr, foreach=True))
 
 
+def actor_lr(cfg: ReinFlowConfig, env_steps: int) -> float:
+    """The actor's learning rate for the updates after ``env_steps`` env steps: ``actor_lr`` ramped linearly from 0
+    over the ``actor_lr_warmup_steps`` env steps past ``critic_warmup_steps`` (a learning-rate warm-up as in Goyal
+    et al. 2017, here of the actor alone): the first actor steps follow a critic fitted to the stage-1 policy's
+    data only, and at full rate they move ``r`` to the bound's half within one iteration (README, stage 3)."""
+    if cfg.actor_lr_warmup_steps <= 0:
+        return cfg.actor_lr
+    return cfg.actor_lr * min(1.0, max(0.0, (env_steps - cfg.critic_warmup_steps) / cfg.actor_lr_warmup_steps))
+
+
 def train(cfg: ReinFlowConfig, agent: StepResidualAgent, env, run_path, tracker=None) -> dict:
     """TD3 on the per-step residual: each iteration runs ``rollout_steps x Ta`` env steps of every env into the
     replay buffer, then takes ``sac_updates_per_decision`` critic steps per stored transition (batches of
     ``sac_batch_size``), the actor's every ``td3_policy_delay``-th of them once the iteration starts past
-    ``critic_warmup_steps`` (none until the buffer holds one batch).  Evaluation, ``best_model.pt``, ``last.pt``
+    ``critic_warmup_steps`` (none until the buffer holds one batch), at the rate ``actor_lr`` gives.  Evaluation, ``best_model.pt``, ``last.pt``
     (with the buffer) and resuming are as in ``reinflow.train``."""
     if not isinstance(agent, StepResidualAgent):
         raise TypeError(f"learner 'td3' trains a StepResidualAgent (steer: residual_step), got {type(agent).__name__}")
@@ -329,6 +339,8 @@ def train(cfg: ReinFlowConfig, agent: StepResidualAgent, env, run_path, tracker=
         policy_time = collector.collect(buffer, cfg.rollout_steps * Ta)
         rollout_time = time.time() - t0
         warmup = steps_before < cfg.critic_warmup_steps
+        for group in actor_opt.param_groups:
+            group["lr"] = actor_lr(cfg, runner.env_steps)
         agent.train()
         t1 = time.time()
         stats = on_all_cores(lambda i: td3_update(agent, buffer.sample(cfg.sac_batch_size, gen), actor_opt, critic_opt,
@@ -336,7 +348,8 @@ def train(cfg: ReinFlowConfig, agent: StepResidualAgent, env, run_path, tracker=
                              updates if len(buffer) >= cfg.sac_batch_size else 0)
         update_time = time.time() - t1
         row = {"iteration": iteration + 1, "critic_warmup": float(warmup), "max_noise_std": sigma,
-               "rollout_time": rollout_time, "rollout_policy_time": policy_time, "update_time": update_time,
+               "actor_lr": actor_opt.param_groups[0]["lr"], "rollout_time": rollout_time,
+               "rollout_policy_time": policy_time, "update_time": update_time,
                "env_steps_per_s": per_iter / max(rollout_time, 1e-9), "updates": len(stats), "buffer": len(buffer),
                **{k: float(np.mean([s_[k] for s_ in stats if k in s_])) for k in
                   sorted({k for s_ in stats for k in s_})}}

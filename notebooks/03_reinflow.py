@@ -195,6 +195,7 @@ td3_noise_clip = 0.1
 td3_policy_delay = 2
 td3_n_step = 1
 residual_l2 = 0.0
+actor_lr_warmup_steps = 0
 noise_method = "reinflow"
 noise_level = 0.5
 hybrid = False

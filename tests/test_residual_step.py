@@ -10,8 +10,8 @@ import torch
 
 from flowlib import bc, reinflow
 from flowlib.envs import make_env
-from flowlib.residual_step import (NStepReturns, StepCollector, StepResidualAgent, optimizers, replay_buffer,
-                                   td3_update)
+from flowlib.residual_step import (NStepReturns, StepCollector, StepResidualAgent, actor_lr, optimizers,
+                                   replay_buffer, td3_update)
 from flowlib.tracking import Tracker
 from test_reinflow import ACT_DIM, OBS_DIM, tiny_policy
 
@@ -219,6 +219,17 @@ def test_what_has_no_meaning_for_a_per_step_residual_is_refused():
                                                      ("obs", "latent", "reward", "bootstrap", "next_obs")}})
 
 
+def test_the_actor_lr_ramps_from_zero_past_the_critic_warmup_and_only_td3_has_the_ramp():
+    cfg = reinflow.ReinFlowConfig(critic_warmup_steps=1000, actor_lr=1e-4, actor_lr_warmup_steps=4000, **TD3)
+    assert [actor_lr(cfg, n) for n in (0, 1000)] == [0.0, 0.0]
+    assert actor_lr(cfg, 3000) == pytest.approx(5e-5) and actor_lr(cfg, 5000) == actor_lr(cfg, 10**6) == 1e-4
+    assert actor_lr(dataclasses.replace(cfg, actor_lr_warmup_steps=0), 0) == 1e-4  # no ramp: full at once
+    with pytest.raises(ValueError, match="actor_lr_warmup_steps must be >= 0"):
+        dataclasses.replace(cfg, actor_lr_warmup_steps=-1)
+    with pytest.raises(ValueError, match="ramps learner 'td3''s actor.*set actor_lr_warmup_steps: 0"):
+        reinflow.ReinFlowConfig(actor_lr_warmup_steps=4000)
+
+
 def test_td3_runs_in_a_real_pickcube_env_and_its_transitions_chain_step_to_step(tmp_path):
     policy, _ = tiny_policy()
     path = tmp_path / "stage1.pt"
@@ -226,7 +237,8 @@ def test_td3_runs_in_a_real_pickcube_env_and_its_transitions_chain_step_to_step(
     per_iter = 3 * 8 * 2  # 2 envs x 3 chunks x 8 steps
     cfg = reinflow.ReinFlowConfig(init_checkpoint=str(path), num_inference_steps=4, rollout_steps=3, max_episode_steps=20,
                                   total_env_steps=2 * per_iter, critic_warmup_steps=per_iter, sac_batch_size=8,
-                                  sac_updates_per_decision=0.25, eval_every=1, num_eval_episodes=2, **TD3)
+                                  sac_updates_per_decision=0.25, eval_every=1, num_eval_episodes=2,
+                                  actor_lr_warmup_steps=2 * per_iter, **TD3)
     run = tmp_path / "run"
     with make_env("PickCube-v1", 2, max_episode_steps=20) as env:
         agent, _ = reinflow.build_agent(cfg, reinflow.init_checkpoint_path(cfg), env.spec)
@@ -237,6 +249,7 @@ def test_td3_runs_in_a_real_pickcube_env_and_its_transitions_chain_step_to_step(
         rows = tracker.rows
         assert out["env_steps"] == 2 * per_iter and [r["critic_warmup"] for r in rows] == [1.0, 0.0]
         assert [r["updates"] for r in rows] == [12, 12] and [r["buffer"] for r in rows] == [48, 96]
+        assert [r["actor_lr"] for r in rows] == pytest.approx([0.0, 0.5 * cfg.actor_lr])  # half way up the ramp
         assert "policy_loss" not in rows[0] and {"policy_loss", "value_loss", "q", "residual_rms",
                                                  "eval/success_once", "train/success_once"} <= set(rows[0]) | set(rows[1])
         assert any(not torch.equal(a, b) for a, b in zip(before, agent.policy_parameters()))
@@ -244,7 +257,9 @@ def test_td3_runs_in_a_real_pickcube_env_and_its_transitions_chain_step_to_step(
         longer = reinflow.checkpoint_config(reinflow.read_agent_checkpoint(run / "last.pt"),
                                             {"total_env_steps": 3 * per_iter})
         agent2, _ = reinflow.build_agent(longer, reinflow.init_checkpoint_path(longer), env.spec)
-        assert reinflow.train(longer, agent2, env, run, Tracker(run))["env_steps"] == 3 * per_iter
+        resumed = Tracker(run)
+        assert reinflow.train(longer, agent2, env, run, resumed)["env_steps"] == 3 * per_iter
+        assert resumed.rows[-1]["actor_lr"] == pytest.approx(cfg.actor_lr)  # past the ramp: the full rate
         assert reinflow.read_agent_checkpoint(run / "last.pt")["replay"]["size"] == 144
 
         # the collector's transitions: each step's (window, a_b) is the previous step's (next window, a_b')
@@ -332,6 +347,36 @@ def test_the_grasp_failure_benchmark_reads_when_the_gripper_closes_and_how_far_o
         obs[:, 36] += 0.1
         bench.episode_report(Episode(obs.numpy(), actions.numpy(), np.zeros(T), np.zeros(T, bool), np.zeros(T, bool),
                                      np.zeros(T, bool), 7), grasped=True, look_at=2)
+
+
+def test_the_carry_report_tells_a_dropped_cube_from_one_held_off_the_goal():
+    import numpy as np
+
+    from flowlib.data import Episode
+    bench = load_benchmark("grasp_failures")
+    T = 6
+    obs = torch.zeros(T + 1, 42)
+    obs[:, 26:29] = torch.tensor([0.0, 0.0, 0.10])                     # the goal, 10 cm up
+    obs[:, 29:32] = torch.tensor([0.0, 0.0, 0.02])
+    obs[3, 29:32] = torch.tensor([0.0, 0.03, 0.08])                    # after step 3 the cube is 3.6 cm from the goal
+    obs[:, 39:42] = obs[:, 26:29] - obs[:, 29:32]
+    obs[0, 18] = 1.0                                                    # the reset obs: the previous episode's flag
+    obs[2:5, 18] = 1.0                                                  # grasped after steps 2-4, lost at step 5
+    episode = lambda o, success: Episode(o.numpy(), np.zeros((T, 4)), np.zeros(T), success, success,  # noqa: E731
+                                         np.zeros(T, bool), 11)
+    c = bench.carry_report(episode(obs, np.zeros(T, bool)))
+    assert c["dropped"] and c["grasped_steps"] == 3 and c["first_grasp_step"] == 2 and c["lost_at_step"] == 5
+    assert c["closest_to_goal_cm"] == pytest.approx(100 * (0.03 ** 2 + 0.02 ** 2) ** 0.5, abs=0.05)
+    assert c["offset_at_closest_cm"] == [0.0, -3.0, 2.0]
+    obs[2:, 18] = 1.0                                                   # held to the end
+    c = bench.carry_report(episode(obs, np.zeros(T, bool)))
+    assert not c["dropped"] and c["lost_at_step"] is None and c["grasped_steps"] == 5
+    with pytest.raises(ValueError, match="succeeds"):
+        bench.carry_report(episode(obs, np.arange(T) == 4))
+    obs[:, 18] = 0.0
+    obs[0, 18] = 1.0                                                    # only the stale reset flag: never grasped
+    with pytest.raises(ValueError, match="never grasps"):
+        bench.carry_report(episode(obs, np.zeros(T, bool)))
 
 
 def test_the_episode_layout_benchmark_reads_the_layouts_the_evaluation_met_and_splits_by_them(tmp_path):
