@@ -1,5 +1,5 @@
 """Where PickCube episodes go wrong: the gripper's offset from the cube when it closes (episodes that never grasp),
-and how the carry ends (episodes that grasp and never place the cube: dropped, or held off the goal).
+and how the carry ends (episodes that grasp and never place the cube: slipped, dropped, or held off the goal).
 
 A diagnostic for stage 3 (README, "The dense reward holds the success; neither reward moves the grasp"): the
 per-step residual lifts the carry but leaves the grasp rate where stage 1 had it.  Each checkpoint (stage-1/2
@@ -9,9 +9,13 @@ with the rollouts recorded; for every episode it reads, from the state observati
 * whether the cube was ever grasped (the env's ``is_grasped`` flag) and at which step first;
 * the step the gripper first closes (executed gripper action < 0; ``pd_ee_delta_pos``: +1 open, -1 closed);
 * ``tcp_to_obj`` (cube minus gripper centre, cm) at that step and at ``--look-at`` (default step 30);
-* for episodes that grasp and never succeed: ``dropped`` (the grasp is lost before the end, at ``lost_at_step``,
-  after ``grasped_steps`` grasped steps) or held to the end, and the cube's closest approach to the goal and its
-  offset there (``obj_to_goal``, goal minus cube, cm; placing needs < 2.5 cm).
+* whether the grasp carried the cube: ``is_grasped`` with the cube ``LIFT`` above where it started.  ManiSkill's
+  ``is_grasped`` reads contact forces, so it also fires for a few steps while the fingers squeeze an edge of the
+  cube and slide off it, the cube still on the table;
+* for episodes that grasp and never succeed, how the carry ends: ``slipped`` (the cube never lifted), ``dropped``
+  (lifted, then the grasp is lost before the end, at ``lost_at_step``, after ``grasped_steps`` grasped steps) or
+  held to the end; and the cube's closest approach to the goal and its offset there (``obj_to_goal``, goal minus
+  cube, cm; placing needs < 2.5 cm).
 
 It prints the episodes that never grasp and a summary, and writes ``outputs/benchmarks/grasp_failures/<name>.json``.
 
@@ -38,6 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmar
 from latent_steering import GRASPED, OBJ, OBJ_TO_GOAL, TCP, TCP_TO_OBJ, check_layout  # noqa: E402
 
 GRIPPER = 3  # pd_ee_delta_pos: dx, dy, dz, gripper
+LIFT = 0.02  # m: a grasp that raised the cube this far above its start carried it
+
+
+def lifted(obs: torch.Tensor) -> torch.Tensor:
+    """``[T]`` bool per step of an episode's observations ``[T+1, O]`` (the reset obs first): ``is_grasped`` after
+    the step with the cube at least ``LIFT`` above its start."""
+    rise = obs[1:, OBJ.start + 2] - obs[0, OBJ.start + 2]
+    return (obs[1:, GRASPED] > 0.5) & (rise >= LIFT)
 
 
 def episode_report(ep, grasped: bool, look_at: int) -> dict:
@@ -59,7 +71,7 @@ def episode_report(ep, grasped: bool, look_at: int) -> dict:
 
 
 def carry_report(ep) -> dict:
-    """An episode that grasps the cube and never places it: dropped or held, and how close the cube came (cm)."""
+    """An episode that grasps the cube and never places it: slipped, dropped or held, and how close the cube came (cm)."""
     obs = torch.as_tensor(ep.obs)                                    # [T+1, O]
     check_layout(obs)
     grasped = obs[1:, GRASPED] > 0.5  # after each step (the reset obs carries the previous episode's flag)
@@ -70,7 +82,8 @@ def carry_report(ep) -> dict:
     to_goal = obs[1:, OBJ_TO_GOAL]                                   # [T, 3] goal minus cube
     t = int(to_goal.norm(dim=1).argmin())
     dropped = not bool(grasped[-1])
-    return {"seed": ep.seed, "dropped": dropped, "grasped_steps": int(grasped.sum()),
+    outcome = "held" if not dropped else "dropped" if lifted(obs).any() else "slipped"
+    return {"seed": ep.seed, "outcome": outcome, "dropped": dropped, "grasped_steps": int(grasped.sum()),
             "first_grasp_step": int(steps[0]) + 1, "lost_at_step": int(steps[-1]) + 2 if dropped else None,
             "closest_to_goal_cm": round(100 * float(to_goal[t].norm()), 1),
             "offset_at_closest_cm": [round(100 * float(x), 1) for x in to_goal[t]]}
@@ -101,26 +114,29 @@ def main() -> None:
             lateral = [float(np.hypot(*e["offset_at_close_cm"][:2])) for e in missed if e["offset_at_close_cm"]]
             first = sorted(e["first_grasp_step"] for e in eps if e["success"] and e["first_grasp_step"])
             carry = [carry_report(ep) for ep, g in zip(result["rollouts"], grasped) if g and not ep.success.any()]
-            dropped = [c for c in carry if c["dropped"]]
-            held = [c["closest_to_goal_cm"] for c in carry if not c["dropped"]]
-            out[path] = {"success_once": result["success_once"], "grasped": float(np.mean(grasped)),
+            slipped = [c for c in carry if c["outcome"] == "slipped"]
+            dropped = [c for c in carry if c["outcome"] == "dropped"]
+            kept = [c["closest_to_goal_cm"] for c in carry if c["outcome"] == "held"]
+            lifts = float(np.mean([bool(lifted(torch.as_tensor(ep.obs)).any() or ep.success.any())  # a goal
+                                   for ep in result["rollouts"]]))  # within 2 cm of the cube's start is placed unlifted
+            out[path] = {"success_once": result["success_once"], "grasped": float(np.mean(grasped)), "lifted_or_placed": lifts,
                          "never_grasped": len(missed), "lateral_miss_at_close_cm_median":
                          float(np.median(lateral)) if lateral else None,
                          "first_grasp_step_of_successes": [first[0], first[len(first) // 2], first[-1]] if first else None,
                          "never_grasped_episodes": missed, "grasped_not_placed": len(carry),
-                         "dropped": len(dropped), "held_closest_to_goal_cm_median": float(np.median(held)) if held else None,
+                         "slipped": len(slipped), "dropped": len(dropped),
+                         "held_closest_to_goal_cm_median": float(np.median(kept)) if kept else None,
                          "grasped_not_placed_episodes": carry}
-            print(f"\n{path}: success {result['success_once']:.3f}, grasped {np.mean(grasped):.3f}, "
+            print(f"\n{path}: success {result['success_once']:.3f}, grasped {np.mean(grasped):.3f} (lifted or placed {lifts:.3f}), "
                   f"{len(missed)} of {len(eps)} never grasp; successes first grasp at steps "
                   f"{out[path]['first_grasp_step_of_successes']} (min / median / max)")
             for e in missed:
                 print(f"  seed {e['seed']}: closes at step {e['close_step']}, cube - gripper {e['offset_at_close_cm']} cm "
                       f"(at step {args.look_at}: {e[f'offset_at_{args.look_at}_cm']}), closest {e['min_distance_cm']} cm")
-            print(f"  {len(carry)} grasp and never place: {len(dropped)} drop the cube (after "
-                  f"{sorted(c['grasped_steps'] for c in dropped)} grasped steps), {len(held)} hold it to the end, "
-                  f"closest to the goal {sorted(held)} cm")
+            print(f"  {len(carry)} grasp and never place: {len(slipped)} slip (the cube never lifted), {len(dropped)} "
+                  f"drop it, {len(kept)} hold it to the end, closest to the goal {sorted(kept)} cm")
             for c in carry:
-                print(f"  seed {c['seed']}: {'dropped at step ' + str(c['lost_at_step']) if c['dropped'] else 'held'}"
+                print(f"  seed {c['seed']}: {c['outcome']}{' (lost at step ' + str(c['lost_at_step']) + ')' if c['dropped'] else ''}"
                       f" (grasped {c['grasped_steps']} steps from step {c['first_grasp_step']}), closest to the goal "
                       f"{c['closest_to_goal_cm']} cm, goal - cube {c['offset_at_closest_cm']} cm")
     path = run_dir("benchmarks", "grasp_failures") / f"{args.name}.json"

@@ -349,7 +349,7 @@ def test_the_grasp_failure_benchmark_reads_when_the_gripper_closes_and_how_far_o
                                      np.zeros(T, bool), 7), grasped=True, look_at=2)
 
 
-def test_the_carry_report_tells_a_dropped_cube_from_one_held_off_the_goal():
+def test_the_carry_report_tells_a_slip_from_a_dropped_cube_and_from_one_held_off_the_goal():
     import numpy as np
 
     from flowlib.data import Episode
@@ -358,19 +358,23 @@ def test_the_carry_report_tells_a_dropped_cube_from_one_held_off_the_goal():
     obs = torch.zeros(T + 1, 42)
     obs[:, 26:29] = torch.tensor([0.0, 0.0, 0.10])                     # the goal, 10 cm up
     obs[:, 29:32] = torch.tensor([0.0, 0.0, 0.02])
-    obs[3, 29:32] = torch.tensor([0.0, 0.03, 0.08])                    # after step 3 the cube is 3.6 cm from the goal
+    obs[3, 29:32] = torch.tensor([0.0, 0.03, 0.035])                   # after step 3: 1.5 cm up, 7.2 cm from the goal
     obs[:, 39:42] = obs[:, 26:29] - obs[:, 29:32]
     obs[0, 18] = 1.0                                                    # the reset obs: the previous episode's flag
     obs[2:5, 18] = 1.0                                                  # grasped after steps 2-4, lost at step 5
     episode = lambda o, success: Episode(o.numpy(), np.zeros((T, 4)), np.zeros(T), success, success,  # noqa: E731
                                          np.zeros(T, bool), 11)
-    c = bench.carry_report(episode(obs, np.zeros(T, bool)))
-    assert c["dropped"] and c["grasped_steps"] == 3 and c["first_grasp_step"] == 2 and c["lost_at_step"] == 5
-    assert c["closest_to_goal_cm"] == pytest.approx(100 * (0.03 ** 2 + 0.02 ** 2) ** 0.5, abs=0.05)
-    assert c["offset_at_closest_cm"] == [0.0, -3.0, 2.0]
+    c = bench.carry_report(episode(obs, np.zeros(T, bool)))               # never 2 cm up: the grasp slipped
+    assert c["outcome"] == "slipped" and c["dropped"] and c["grasped_steps"] == 3 and c["first_grasp_step"] == 2
+    assert c["lost_at_step"] == 5 and c["offset_at_closest_cm"] == [0.0, -3.0, 6.5]
+    assert c["closest_to_goal_cm"] == pytest.approx(100 * (0.03 ** 2 + 0.065 ** 2) ** 0.5, abs=0.05)
+    obs[4, 31] = 0.05                                                   # after step 4 the cube is 3 cm up, grasped
+    obs[:, 39:42] = obs[:, 26:29] - obs[:, 29:32]
+    assert bench.lifted(obs).tolist() == [False, False, False, True, False, False]
+    assert bench.carry_report(episode(obs, np.zeros(T, bool)))["outcome"] == "dropped"
     obs[2:, 18] = 1.0                                                   # held to the end
     c = bench.carry_report(episode(obs, np.zeros(T, bool)))
-    assert not c["dropped"] and c["lost_at_step"] is None and c["grasped_steps"] == 5
+    assert c["outcome"] == "held" and not c["dropped"] and c["lost_at_step"] is None and c["grasped_steps"] == 5
     with pytest.raises(ValueError, match="succeeds"):
         bench.carry_report(episode(obs, np.arange(T) == 4))
     obs[:, 18] = 0.0
