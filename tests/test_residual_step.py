@@ -365,7 +365,7 @@ def test_the_carry_report_tells_a_slip_from_a_dropped_cube_and_from_one_held_off
     episode = lambda o, success: Episode(o.numpy(), np.zeros((T, 4)), np.zeros(T), success, success,  # noqa: E731
                                          np.zeros(T, bool), 11)
     c = bench.carry_report(episode(obs, np.zeros(T, bool)))               # never 2 cm up: the grasp slipped
-    assert c["outcome"] == "slipped" and c["dropped"] and c["grasped_steps"] == 3 and c["first_grasp_step"] == 2
+    assert c["outcome"] == "slipped" and c["grasp_lost"] and c["grasped_steps"] == 3 and c["first_grasp_step"] == 2
     assert c["lost_at_step"] == 5 and c["offset_at_closest_cm"] == [0.0, -3.0, 6.5]
     assert c["closest_to_goal_cm"] == pytest.approx(100 * (0.03 ** 2 + 0.065 ** 2) ** 0.5, abs=0.05)
     obs[4, 31] = 0.05                                                   # after step 4 the cube is 3 cm up, grasped
@@ -374,7 +374,7 @@ def test_the_carry_report_tells_a_slip_from_a_dropped_cube_and_from_one_held_off
     assert bench.carry_report(episode(obs, np.zeros(T, bool)))["outcome"] == "dropped"
     obs[2:, 18] = 1.0                                                   # held to the end
     c = bench.carry_report(episode(obs, np.zeros(T, bool)))
-    assert c["outcome"] == "held" and not c["dropped"] and c["lost_at_step"] is None and c["grasped_steps"] == 5
+    assert c["outcome"] == "held" and not c["grasp_lost"] and c["lost_at_step"] is None and c["grasped_steps"] == 5
     with pytest.raises(ValueError, match="succeeds"):
         bench.carry_report(episode(obs, np.arange(T) == 4))
     obs[:, 18] = 0.0
