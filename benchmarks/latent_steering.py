@@ -36,13 +36,11 @@ import torch
 from tqdm import tqdm
 
 from flowlib import bc, reinflow
-from flowlib.envs import make_env
+from flowlib.envs import PICKCUBE_GOAL as GOAL, PICKCUBE_GRASPED as GRASPED, PICKCUBE_OBJ as OBJ  # PickCube-v1's
+from flowlib.envs import PICKCUBE_OBJ_TO_GOAL as OBJ_TO_GOAL, PICKCUBE_TCP as TCP  # state layout (flowlib.envs)
+from flowlib.envs import PICKCUBE_TCP_TO_OBJ as TCP_TO_OBJ, make_env
 from flowlib.runs import run_dir, save_json
 
-# PickCube-v1 state observation: qpos 9, qvel 9, is_grasped 1, tcp_pose 7, goal_pos 3, obj_pose 7,
-# tcp_to_obj_pos 3, obj_to_goal_pos 3 (mani_skill 3.0.x, PickCubeEnv._get_obs_extra)
-GRASPED, TCP, GOAL, OBJ, OBJ_TO_GOAL = 18, slice(19, 22), slice(26, 29), slice(29, 32), slice(39, 42)
-TCP_TO_OBJ = slice(36, 39)  # cube position minus the gripper centre
 AXES = torch.cat([torch.eye(3), -torch.eye(3)])  # [6, 3]: +x +y +z -x -y -z
 
 

@@ -29,6 +29,13 @@ DEFAULT_CONTROL_MODE = "pd_ee_delta_pos"
 # ManiSkill's imitation baselines evaluate PickCube with 100 steps (the env registers 50).
 EVAL_EPISODE_STEPS = {"PickCube-v1": 100, "PushCube-v1": 100, "StackCube-v1": 200}
 
+# PickCube-v1's state observation, 42 dims (mani_skill 3.0.x, PickCubeEnv._get_obs_extra): qpos 9 (the two finger
+# joints last, m each), qvel 9, is_grasped 1, tcp_pose 7, goal_pos 3, obj_pose 7, tcp_to_obj_pos 3, obj_to_goal_pos 3
+PICKCUBE_OBS_DIM = 42
+PICKCUBE_FINGERS, PICKCUBE_GRASPED = slice(7, 9), 18
+PICKCUBE_TCP, PICKCUBE_GOAL, PICKCUBE_OBJ = slice(19, 22), slice(26, 29), slice(29, 32)  # positions
+PICKCUBE_TCP_TO_OBJ, PICKCUBE_OBJ_TO_GOAL = slice(36, 39), slice(39, 42)  # cube - gripper centre, goal - cube
+
 
 def known_env_ids() -> list[str]:
     import mani_skill.envs  # noqa: F401  (registers the envs)

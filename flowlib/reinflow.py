@@ -35,6 +35,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -43,6 +44,7 @@ from tqdm import tqdm
 
 from . import bc, config, ppo
 from .config import require
+from .envs import PICKCUBE_FINGERS, PICKCUBE_OBS_DIM, PICKCUBE_TCP_TO_OBJ
 from .flow_sde import (LEARNED_NOISE, LOG_2PI, METHODS, check_method, full_mask, gaussian_entropy, gaussian_log_prob,
                        hybrid_mask, sample_chain, stochastic_steps, transition)
 from .flows import time_grid
@@ -471,6 +473,10 @@ class ReinFlowConfig:
                                         # (dense pays a near-miss 0.5-0.8 per step, a success 1); not logged
     reach_weight: float = 0.0           # PickCube, reward "dense" / "shaped": learning's reward (dense) or potential
                                         # (shaped) adds reach_weight * (1 - tanh(5 |cube - gripper|)), 1 once grasped
+    grasp_min_gap: float = 0.0          # PickCube, reward "dense" / "shaped": learning counts a grasp (is_grasped,
+                                        # in the dense reward's grasp / place terms and the reach term) only while the
+                                        # fingers are >= this far apart (m; the cube is 4 cm, a squeeze on its edge
+                                        # closes them); 0 = the env's contact flag as is
     # the denoising MDP
     num_inference_steps: int = 8        # K
     min_noise_std: float = 0.01
@@ -577,6 +583,12 @@ class ReinFlowConfig:
             (self.reach_weight == 0 or self.reward in ("dense", "shaped"),
              f"reach_weight ({self.reach_weight}) adds to the dense reward or the shaped reward's potential (got reward "
              f"{self.reward!r}): set reach_weight: 0.0 or reward: dense / shaped"),
+            (self.grasp_min_gap >= 0, f"grasp_min_gap must be >= 0, got {self.grasp_min_gap}"),
+            (self.grasp_min_gap == 0 or self.reward in ("dense", "shaped"),
+             f"grasp_min_gap ({self.grasp_min_gap}) gates the grasp in the dense reward (got reward {self.reward!r}): "
+             "set grasp_min_gap: 0.0 or reward: dense / shaped"),
+            (self.grasp_min_gap == 0 or self.env_id in REACH_ENVS,
+             f"grasp_min_gap reads PickCube-v1's finger joints (got env_id {self.env_id!r}): set grasp_min_gap: 0.0"),
             (self.reach_weight == 0 or self.env_id in REACH_ENVS,
              f"reach_weight reads the reach term out of the dense reward of {REACH_ENVS} (got env_id {self.env_id!r}): "
              f"set reach_weight: 0.0"),
@@ -667,6 +679,13 @@ LEARNERS = ("ppo", "sac", "td3")  # PPO; SAC from a replay (steer "latent", flow
                                   # (steer "residual_step", flowlib.residual_step)
 
 
+class Grasp(NamedTuple):
+    """PickCube's grasp after a step, per env (``ChunkRunner._grasped``)."""
+    flag: torch.Tensor   # [N] bool: the env's is_grasped
+    held: torch.Tensor   # [N] bool: the flag with the fingers apart (>= grasp_min_gap)
+    reach: torch.Tensor  # [N]: 1 - tanh(5 |cube - gripper|)
+
+
 class ChunkRunner:
     """Steps ``N`` envs one chunk decision at a time and keeps what persists across iterations:
     the observation windows ``[N, To, O]``, per-episode return / success / length, and the next
@@ -684,20 +703,28 @@ class ChunkRunner:
     The logged return of ``"shaped"`` is its sparse part (1 if the episode succeeded).  ``success_bonus``
     ``B`` (``"dense"`` only) adds ``B`` to what learning sees at every step whose state counts as solved, so a
     success is worth ``1 + B`` per step against a near-miss's 0.5-0.8; the logged return stays the env's.
+    PickCube only: ``reach_weight`` ``w`` adds ``w reach(s')`` (1 once grasped) to the dense reward or to the
+    shaped reward's potential; ``grasp_min_gap`` ``g`` counts the env's contact-based ``is_grasped`` only while
+    the fingers are ``>= g`` apart, so a squeeze on the cube's edge earns what the approach earns, ``reach / 5``,
+    not the grasp's ``(reach + 1 + place) / 5`` (``_grasped``).
     """
 
     EPISODE_STATE = ("window", "ep_return", "ep_success", "ep_flags", "ep_length", "active", "phi")  # what ``save`` keeps
 
     def __init__(self, env, obs_horizon: int, gamma: float, reward: str = "sparse", first_seed: int = 2_000_000,
-                 reward_scale: float = 1.0, success_bonus: float = 0.0, reach_weight: float = 0.0):
+                 reward_scale: float = 1.0, success_bonus: float = 0.0, reach_weight: float = 0.0,
+                 grasp_min_gap: float = 0.0):
         if reward not in REWARDS:
             raise ValueError(f"reward must be one of {REWARDS}, got {reward!r}")
         if success_bonus and reward != "dense":
             raise ValueError(f"success_bonus applies to reward 'dense' only, got reward {reward!r}")
         if reach_weight and reward == "sparse":
             raise ValueError(f"reach_weight applies to reward 'dense' or 'shaped', got reward {reward!r}")
+        if grasp_min_gap and reward == "sparse":
+            raise ValueError(f"grasp_min_gap applies to reward 'dense' or 'shaped', got reward {reward!r}")
         self.env, self.obs_horizon, self.gamma, self.reward = env, obs_horizon, gamma, reward
         self.reward_scale, self.success_bonus, self.reach_weight = reward_scale, success_bonus, reach_weight
+        self.grasp_min_gap = grasp_min_gap
         N = env.num_envs
         self.next_seed = first_seed + N
         obs = env.reset(seed=first_seed)
@@ -736,7 +763,7 @@ class ChunkRunner:
         window = self.window.clone()
         for k in range(Ta):
             obs, r, term, trunc, success = (x.cpu() for x in self.env.step(actions[:, k].to(self.env.device)))
-            r, term, extra = self._reward(r, term, success, alive)
+            r, term, extra = self._reward(obs, r, term, success, alive)
             reward += alive * discount * (r + extra) * self.reward_scale
             self.ep_return += alive * r
             self.ep_success |= alive & success
@@ -776,27 +803,45 @@ class ChunkRunner:
         if flags:
             self.ep_flags |= alive[:, None] & torch.stack([f.cpu() for f in flags.values()], 1)
 
-    def _reward(self, r: torch.Tensor, term: torch.Tensor, success: torch.Tensor, alive: torch.Tensor):
+    def _reward(self, obs: torch.Tensor, r: torch.Tensor, term: torch.Tensor, success: torch.Tensor,
+                alive: torch.Tensor):
         """One env step's ``(task reward, termination, extra)`` per env under ``self.reward``; ``extra`` is
-        what learning adds to the task reward and the logged return does not (shaping term, success bonus)."""
+        what learning adds to the task reward and the logged return does not (shaping term, success bonus,
+        reach term, and the dense reward's grasp pay taken back from a grasp that ``_grasped`` does not hold)."""
         if self.reward == "sparse":
             return success.float(), success, torch.zeros_like(r)
-        reach = self.reach_weight * self._reach(r, success) if self.reach_weight else 0.0
+        r_learn, grasped = r, None
+        if self.reach_weight or self.grasp_min_gap:
+            grasped = self._grasped(obs)
+            # a flag the gap does not count: the dense reward as before the grasp, reach / 5 (PickCube's dense reward
+            # is (reach + is_grasped (1 + place) + is_obj_placed * static) / 5, and 1 at success)
+            r_learn = torch.where(grasped.flag & ~grasped.held & ~success, grasped.reach / 5, r)
+        reach = 0.0
+        if self.reach_weight:
+            reach = self.reach_weight * torch.where(grasped.held | success, 1.0, grasped.reach)
         if self.reward == "dense":
-            return r, term, self.success_bonus * success.float() + reach
-        phi = torch.where(success, 0.0, r + reach)  # the potential of the state reached; 0 once the episode ends
+            return r, term, self.success_bonus * success.float() + reach + (r_learn - r)
+        phi = torch.where(success, 0.0, r_learn + reach)  # the potential of the state reached; 0 once the episode ends
         shaping = self.gamma * phi - self.phi
         self.phi = torch.where(alive, phi, self.phi)
         return success.float(), success, shaping
 
-    def _reach(self, r: torch.Tensor, success: torch.Tensor) -> torch.Tensor:
-        """PickCube's reaching term ``1 - tanh(5 |cube - gripper|)`` of the state reached, per env: ``5 r``
-        (its normalized dense reward) until the cube is grasped, 1 once it is or the task is solved."""
+    def _grasped(self, obs: torch.Tensor) -> Grasp:
+        """PickCube's grasp after a step, per env: ``flag`` (the env's ``is_grasped``, read off contact forces: it
+        also fires while the fingers squeeze an edge of the cube and slide off it), ``held`` (the flag with the
+        fingers >= ``grasp_min_gap`` apart: across the cube's faces) and ``reach = 1 - tanh(5 |cube - gripper|)``
+        from the observation ``obs [N, 42]``."""
         flags = getattr(self.env, "task_flags", {})
         if "is_grasped" not in flags:
-            raise ValueError(f"reach_weight needs the env's is_grasped flag (PickCube-v1's), got flags {list(flags)}: "
-                             "set reach_weight: 0.0")
-        return torch.where(flags["is_grasped"].cpu() | success, 1.0, (5 * r).clamp(max=1.0))
+            raise ValueError(f"reach_weight / grasp_min_gap need the env's is_grasped flag (PickCube-v1's), got flags "
+                             f"{list(flags)}: set reach_weight: 0.0 and grasp_min_gap: 0.0")
+        if obs.shape[-1] != PICKCUBE_OBS_DIM:
+            raise ValueError(f"reach_weight / grasp_min_gap read PickCube-v1's state observation ({PICKCUBE_OBS_DIM} "
+                             f"dims), got {obs.shape[-1]}: set reach_weight: 0.0 and grasp_min_gap: 0.0")
+        flag = flags["is_grasped"].cpu()
+        held = flag & (obs[:, PICKCUBE_FINGERS].sum(1) >= self.grasp_min_gap)
+        reach = 1 - torch.tanh(5 * obs[:, PICKCUBE_TCP_TO_OBJ].norm(dim=1))
+        return Grasp(flag, held, reach)
 
     def step_branches(self, actions: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         """Try ``M`` chunks ``actions [M, N, Ta, A]`` from the current state of every env: branch ``m < M-1``
@@ -1155,7 +1200,7 @@ def resume(cfg: ReinFlowConfig, agent: ReinFlowAgent, last: Path, actor_opt, cri
         print(f"resumed from {last} at iteration {start} ({env_steps} env steps)")
     runner = ChunkRunner(env, agent.obs_horizon, cfg.gamma, cfg.reward, first_seed=next_seed,
                          reward_scale=cfg.reward_scale, success_bonus=cfg.success_bonus,
-                         reach_weight=cfg.reach_weight)
+                         reach_weight=cfg.reach_weight, grasp_min_gap=cfg.grasp_min_gap)
     runner.env_steps = env_steps
     return start, runner, best, ckpt
 

@@ -93,7 +93,10 @@
 # `reach_weight` $w$ (PickCube) adds $w \cdot \mathrm{reach}(s')$, ManiSkill's reaching term
 # $1 - \tanh(5\,\lVert p_{\rm cube} - p_{\rm gripper}\rVert)$ (1 once grasped), to the dense reward or to the
 # shaped reward's potential: the dense reward pays only $\mathrm{reach}/5$ for the approach, a few thousandths
-# per step for closing in on a cube the gripper is about to miss.
+# per step for closing in on a cube the gripper is about to miss. ManiSkill's `is_grasped` reads contact forces,
+# so it also fires while the fingers squeeze an edge of the cube and slide off it; `grasp_min_gap` $g$ counts it
+# (in the dense reward's grasp and place terms and in the reach term) only while the fingers are $\geq g$ apart,
+# across the 4 cm cube, and pays a squeeze on the edge $\mathrm{reach}/5$, as for the approach.
 #
 # **Why it needs many samples.** The gradient is a likelihood-ratio estimate through the noise of every
 # stochastic step: with $K = 4$ and $8 \times 4$ executed dims, one decision's advantage is spread over
@@ -165,6 +168,7 @@ reward = "sparse"
 reward_scale = 1.0
 success_bonus = 0.0
 reach_weight = 0.0  # PickCube, dense or shaped: weight on the reach term 1 - tanh(5 d) (learning only)
+grasp_min_gap = 0.0  # PickCube, dense or shaped: a grasp counts only with the fingers this far apart (m)
 num_inference_steps = 8
 min_noise_std = 0.01
 max_noise_std = 0.3

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from flowlib import bc, evaluate, reinflow
+from flowlib import bc, envs, evaluate, reinflow
 from flowlib.config import ConfigError
 from flowlib.data import ChunkDataset, Episode
 from flowlib.envs import make_env
@@ -531,12 +531,13 @@ class Approach:
     """A scripted PickCube-like env for the reach term: the gripper closes in on the cube, reach(t) =
     1 - tanh(5 d_t) with d_t = 0.1 / t, the normalized dense reward reach / 5 until the grasp at step
     ``grasp_at`` (is_grasped from then on, dense 0.5), and success (dense 1) at step ``solved_at``; the env
-    never terminates (``"shaped"`` ends the episode at success itself)."""
+    never terminates (``"shaped"`` ends the episode at success itself).  Its observations have PickCube-v1's
+    layout with ``tcp_to_obj = [d_t, 0, 0]`` and the fingers ``gap(t)`` apart (4 cm: across the cube)."""
 
     num_envs, device = 1, "cpu"
 
-    def __init__(self, grasp_at: int, solved_at: int, flags: bool = True):
-        self.grasp_at, self.solved_at, self.flags, self.t = grasp_at, solved_at, flags, 0
+    def __init__(self, grasp_at: int, solved_at: int, flags: bool = True, gap=lambda t: 0.04):
+        self.grasp_at, self.solved_at, self.flags, self.gap, self.t = grasp_at, solved_at, flags, gap, 0
         self.task_flags = {}
 
     def reach(self, t: int) -> float:
@@ -544,7 +545,7 @@ class Approach:
 
     def reset(self, seed=None):
         self.t = 0
-        return torch.zeros(1, OBS_DIM)
+        return torch.zeros(1, envs.PICKCUBE_OBS_DIM)
 
     def step(self, action):
         self.t += 1
@@ -552,13 +553,16 @@ class Approach:
         dense = 1.0 if success else 0.5 if grasped else self.reach(self.t) / 5
         if self.flags:
             self.task_flags = {"is_grasped": torch.tensor([grasped])}
-        return torch.full((1, OBS_DIM), float(self.t)), torch.tensor([dense]), torch.zeros(1, dtype=torch.bool), \
-            torch.zeros(1, dtype=torch.bool), torch.tensor([success])
+        obs = torch.zeros(1, envs.PICKCUBE_OBS_DIM)
+        obs[0, envs.PICKCUBE_TCP_TO_OBJ.start] = 0.1 / self.t
+        obs[0, envs.PICKCUBE_FINGERS] = self.gap(self.t) / 2
+        return obs, torch.tensor([dense]), torch.zeros(1, dtype=torch.bool), torch.zeros(1, dtype=torch.bool), \
+            torch.tensor([success])
 
 
 def test_reach_weight_adds_the_reach_term_to_the_dense_reward_and_to_the_shaped_potential():
-    """Grasp at step 4, success at 6: learning's dense reward gains w reach(s') (5 r before the grasp, 1 from
-    it); the shaped reward's potential phi = r + w reach, 0 at success, so its terms still telescope."""
+    """Grasp at step 4, success at 6: learning's dense reward gains w reach(s') (reach(s') before the grasp, 1
+    from it); the shaped reward's potential phi = r + w reach, 0 at success, so its terms still telescope."""
     gamma, w, env = 0.8, 2.0, Approach(grasp_at=4, solved_at=6)
     reach = [env.reach(t) for t in (1, 2, 3)] + [1.0, 1.0, 1.0]  # after steps 1..6
     dense = [x / 5 for x in reach[:3]] + [0.5, 0.5, 1.0]
@@ -583,6 +587,52 @@ def test_reach_weight_adds_the_reach_term_to_the_dense_reward_and_to_the_shaped_
         reinflow.ReinFlowConfig(reward="dense", reach_weight=1.0, env_id="PushCube-v1")
     with pytest.raises(ValueError, match="reach_weight must be >= 0"):
         reinflow.ReinFlowConfig(reward="dense", reach_weight=-1.0)
+
+
+def test_grasp_min_gap_pays_a_squeeze_on_the_edge_what_the_approach_pays_and_a_grasp_across_the_cube_in_full():
+    """The flag fires at step 3; the fingers are 1 cm apart at steps 3-4 (a squeeze on the cube's edge), 4 cm from
+    step 5; success at 7.  With grasp_min_gap 3.5 cm learning sees reach / 5 (+ w reach) at steps 3-4 instead
+    of the dense reward's 0.5 (+ w), the full grasp from step 5; the logged return stays the env's."""
+    gamma, w, gap = 0.8, 2.0, lambda t: 0.01 if t in (3, 4) else 0.04
+    env = Approach(3, 7, gap=gap)
+    dense = [env.reach(t) / 5 for t in (1, 2)] + [0.5] * 4 + [1.0]  # after steps 1..7
+    held = [env.reach(t) / 5 for t in (1, 2, 3, 4)] + [0.5, 0.5, 1.0]
+    reach = [env.reach(t) for t in (1, 2, 3, 4)] + [1.0] * 3
+    for w_, expect in ((0.0, held), (w, [h + w * x for h, x in zip(held, reach)])):
+        runner = reinflow.ChunkRunner(Approach(3, 7, gap=gap), 2, gamma, reward="dense", reach_weight=w_,
+                                      grasp_min_gap=0.035)
+        out = runner.step_chunk(torch.zeros(1, 7, ACT_DIM))
+        assert out["reward"].item() == pytest.approx(sum(gamma ** k * expect[k] for k in range(7)))
+        assert runner.ep_return.item() == pytest.approx(sum(dense))  # logged: the env's own
+    runner = reinflow.ChunkRunner(Approach(3, 7, gap=gap), 2, gamma, reward="dense", reach_weight=w)
+    plain = runner.step_chunk(torch.zeros(1, 7, ACT_DIM))["reward"].item()  # grasp_min_gap 0: the flag as is
+    assert plain == pytest.approx(sum(gamma ** k * (dense[k] + w * (reach[k] if k < 2 else 1.0)) for k in range(7)))
+    runner = reinflow.ChunkRunner(Approach(3, 7, gap=gap), 2, gamma, reward="shaped", grasp_min_gap=0.035)
+    out = runner.step_chunk(torch.zeros(1, 7, ACT_DIM), auto_reset=False)
+    phi = [0.0] + held[:6] + [0.0]
+    assert out["reward"].item() == pytest.approx(sum(gamma ** k * ((k == 6) + gamma * phi[k + 1] - phi[k])
+                                                     for k in range(7)))
+    with pytest.raises(ValueError, match="grasp_min_gap applies"):
+        reinflow.ChunkRunner(env, 2, gamma, reward="sparse", grasp_min_gap=0.035)
+    with pytest.raises(ValueError, match="set grasp_min_gap: 0.0 or reward: dense"):
+        reinflow.ReinFlowConfig(reward="sparse", grasp_min_gap=0.035)
+    with pytest.raises(ValueError, match="finger joints"):
+        reinflow.ReinFlowConfig(reward="dense", grasp_min_gap=0.035, env_id="PushCube-v1")
+    with pytest.raises(ValueError, match="grasp_min_gap must be >= 0"):
+        reinflow.ReinFlowConfig(reward="dense", grasp_min_gap=-0.01)
+
+
+class WrongWidth(Approach):
+    def step(self, action):
+        obs, *rest = super().step(action)
+        return obs[:, :40], *rest
+
+
+def test_grasp_min_gap_on_an_observation_without_pickcubes_layout_is_a_clear_error():
+    runner = reinflow.ChunkRunner(WrongWidth(3, 7), 2, 0.8, reward="dense", grasp_min_gap=0.035)
+    runner.window = runner.window[..., :40]
+    with pytest.raises(ValueError, match="state observation \\(42 dims\\), got 40"):
+        runner.step_chunk(torch.zeros(1, 1, ACT_DIM))
 
 
 def test_finish_episodes_is_the_discounted_rest_of_the_episode_bootstrapped_at_the_time_limit():
