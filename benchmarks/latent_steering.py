@@ -38,16 +38,17 @@ from tqdm import tqdm
 from flowlib import bc, reinflow
 from flowlib.envs import PICKCUBE_GOAL as GOAL, PICKCUBE_GRASPED as GRASPED, PICKCUBE_OBJ as OBJ  # PickCube-v1's
 from flowlib.envs import PICKCUBE_OBJ_TO_GOAL as OBJ_TO_GOAL, PICKCUBE_TCP as TCP  # state layout (flowlib.envs)
-from flowlib.envs import PICKCUBE_TCP_TO_OBJ as TCP_TO_OBJ, make_env
+from flowlib.envs import PICKCUBE_OBS_DIM, PICKCUBE_TCP_TO_OBJ as TCP_TO_OBJ, make_env
 from flowlib.runs import run_dir, save_json
 
 AXES = torch.cat([torch.eye(3), -torch.eye(3)])  # [6, 3]: +x +y +z -x -y -z
 
 
 def check_layout(obs: torch.Tensor) -> None:
-    if obs.shape[-1] != 42 or not torch.allclose(obs[:, OBJ_TO_GOAL], obs[:, GOAL] - obs[:, OBJ], atol=1e-4):
-        raise ValueError("this script reads PickCube-v1 state observations (42 dims, obj_to_goal_pos last); "
-                         f"got {obs.shape[-1]} dims that do not match that layout")
+    if (obs.shape[-1] != PICKCUBE_OBS_DIM
+            or not torch.allclose(obs[:, OBJ_TO_GOAL], obs[:, GOAL] - obs[:, OBJ], atol=1e-4)):
+        raise ValueError(f"this script reads PickCube-v1 state observations ({PICKCUBE_OBS_DIM} dims, obj_to_goal_pos "
+                         f"last); got {obs.shape[-1]} dims that do not match that layout")
 
 
 def steer(policy: bc.FlowPolicy, window: torch.Tensor, u: torch.Tensor, bound: float, K: int, steps: int, lr: float):
