@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from . import bc, config, ppo
 from .config import require
-from .envs import PICKCUBE_FINGERS, PICKCUBE_OBS_DIM, PICKCUBE_TCP_TO_OBJ
+from .envs import PICKCUBE_FINGERS, PICKCUBE_OBJ_TO_GOAL, PICKCUBE_OBS_DIM, PICKCUBE_TCP_TO_OBJ
 from .flow_sde import (LEARNED_NOISE, LOG_2PI, METHODS, check_method, full_mask, gaussian_entropy, gaussian_log_prob,
                        hybrid_mask, sample_chain, stochastic_steps, transition)
 from .flows import time_grid
@@ -477,6 +477,10 @@ class ReinFlowConfig:
                                         # in the dense reward's grasp / place terms and the reach term) only while the
                                         # fingers are >= this far apart (m; the cube is 4 cm, a squeeze on its edge
                                         # closes them); 0 = the env's contact flag as is
+    place_weight: float = 0.0           # PickCube, reward "dense" / "shaped": learning's reward (dense) or potential
+                                        # (shaped) adds place_weight * (1 - tanh(place_sharpness |goal - cube|))
+                                        # while the grasp counts: a place term steep in the last centimetres
+    place_sharpness: float = 20.0       # 1/m; the dense reward's own place term is (1 - tanh(5 |goal - cube|)) / 5
     # the denoising MDP
     num_inference_steps: int = 8        # K
     min_noise_std: float = 0.01
@@ -592,6 +596,13 @@ class ReinFlowConfig:
             (self.reach_weight == 0 or self.env_id in REACH_ENVS,
              f"reach_weight reads the reach term out of the dense reward of {REACH_ENVS} (got env_id {self.env_id!r}): "
              f"set reach_weight: 0.0"),
+            (self.place_weight >= 0, f"place_weight must be >= 0, got {self.place_weight}"),
+            (self.place_sharpness > 0, f"place_sharpness must be > 0 (1/m), got {self.place_sharpness}"),
+            (self.place_weight == 0 or self.reward in ("dense", "shaped"),
+             f"place_weight ({self.place_weight}) adds to the dense reward or the shaped reward's potential (got reward "
+             f"{self.reward!r}): set place_weight: 0.0 or reward: dense / shaped"),
+            (self.place_weight == 0 or self.env_id in REACH_ENVS,
+             f"place_weight reads PickCube-v1's cube-to-goal offset (got env_id {self.env_id!r}): set place_weight: 0.0"),
             (self.obs_clip >= 0, f"obs_clip must be >= 0 (0: no clipping), got {self.obs_clip}"),
             (0 <= self.noise_corr < 1, f"noise_corr must be in [0, 1) (0: independent), got {self.noise_corr}"),
             (self.act_horizon >= 0, f"act_horizon must be >= 0 (0: the checkpoint's own), got {self.act_horizon}"),
@@ -684,6 +695,7 @@ class Grasp(NamedTuple):
     flag: torch.Tensor   # [N] bool: the env's is_grasped
     held: torch.Tensor   # [N] bool: the flag with the fingers apart (>= grasp_min_gap)
     reach: torch.Tensor  # [N]: 1 - tanh(5 |cube - gripper|)
+    to_goal: torch.Tensor  # [N]: |goal - cube| (m)
 
 
 class ChunkRunner:
@@ -706,14 +718,18 @@ class ChunkRunner:
     PickCube only: ``reach_weight`` ``w`` adds ``w reach(s')`` (1 once grasped) to the dense reward or to the
     shaped reward's potential; ``grasp_min_gap`` ``g`` counts the env's contact-based ``is_grasped`` only while
     the fingers are ``>= g`` apart, so a squeeze on the cube's edge earns what the approach earns, ``reach / 5``,
-    not the grasp's ``(reach + 1 + place) / 5`` (``_grasped``).
+    not the grasp's ``(reach + 1 + place) / 5`` (``_grasped``); ``place_weight`` ``w_p`` adds
+    ``w_p (1 - tanh(k |goal - cube|))`` (``k`` = ``place_sharpness``) while the grasp counts (or at success), likewise:
+    the dense reward's place term, ``(1 - tanh(5 d)) / 5``, pays ~0.01 per step for a centimetre, too little for the
+    critic to tell a cube held 3 cm above the goal from one brought down into it (README, stage 3); at ``k = 20`` the
+    last centimetres pay ~0.1-0.15 each.
     """
 
     EPISODE_STATE = ("window", "ep_return", "ep_success", "ep_flags", "ep_length", "active", "phi")  # what ``save`` keeps
 
     def __init__(self, env, obs_horizon: int, gamma: float, reward: str = "sparse", first_seed: int = 2_000_000,
                  reward_scale: float = 1.0, success_bonus: float = 0.0, reach_weight: float = 0.0,
-                 grasp_min_gap: float = 0.0):
+                 grasp_min_gap: float = 0.0, place_weight: float = 0.0, place_sharpness: float = 20.0):
         if reward not in REWARDS:
             raise ValueError(f"reward must be one of {REWARDS}, got {reward!r}")
         if success_bonus and reward != "dense":
@@ -722,9 +738,11 @@ class ChunkRunner:
             raise ValueError(f"reach_weight applies to reward 'dense' or 'shaped', got reward {reward!r}")
         if grasp_min_gap and reward == "sparse":
             raise ValueError(f"grasp_min_gap applies to reward 'dense' or 'shaped', got reward {reward!r}")
+        if place_weight and reward == "sparse":
+            raise ValueError(f"place_weight applies to reward 'dense' or 'shaped', got reward {reward!r}")
         self.env, self.obs_horizon, self.gamma, self.reward = env, obs_horizon, gamma, reward
         self.reward_scale, self.success_bonus, self.reach_weight = reward_scale, success_bonus, reach_weight
-        self.grasp_min_gap = grasp_min_gap
+        self.grasp_min_gap, self.place_weight, self.place_sharpness = grasp_min_gap, place_weight, place_sharpness
         N = env.num_envs
         self.next_seed = first_seed + N
         obs = env.reset(seed=first_seed)
@@ -807,21 +825,25 @@ class ChunkRunner:
                 alive: torch.Tensor):
         """One env step's ``(task reward, termination, extra)`` per env under ``self.reward``; ``extra`` is
         what learning adds to the task reward and the logged return does not (shaping term, success bonus,
-        reach term, and the dense reward's grasp pay taken back from a grasp that ``_grasped`` does not hold)."""
+        reach and place terms, and the dense reward's grasp pay taken back from a grasp that ``_grasped`` does not
+        hold)."""
         if self.reward == "sparse":
             return success.float(), success, torch.zeros_like(r)
         r_learn, grasped = r, None
-        if self.reach_weight or self.grasp_min_gap:
+        if self.reach_weight or self.grasp_min_gap or self.place_weight:
             grasped = self._grasped(obs)
             # a flag the gap does not count: the dense reward as before the grasp, reach / 5 (PickCube's dense reward
             # is (reach + is_grasped (1 + place) + is_obj_placed * static) / 5, and 1 at success)
             r_learn = torch.where(grasped.flag & ~grasped.held & ~success, grasped.reach / 5, r)
-        reach = 0.0
+        terms = 0.0  # the reach and place terms
         if self.reach_weight:
-            reach = self.reach_weight * torch.where(grasped.held | success, 1.0, grasped.reach)
+            terms = self.reach_weight * torch.where(grasped.held | success, 1.0, grasped.reach)
+        if self.place_weight:
+            place = 1 - torch.tanh(self.place_sharpness * grasped.to_goal)
+            terms = terms + self.place_weight * torch.where(grasped.held | success, place, 0.0)
         if self.reward == "dense":
-            return r, term, self.success_bonus * success.float() + reach + (r_learn - r)
-        phi = torch.where(success, 0.0, r_learn + reach)  # the potential of the state reached; 0 once the episode ends
+            return r, term, self.success_bonus * success.float() + terms + (r_learn - r)
+        phi = torch.where(success, 0.0, r_learn + terms)  # the potential of the state reached; 0 once the episode ends
         shaping = self.gamma * phi - self.phi
         self.phi = torch.where(alive, phi, self.phi)
         return success.float(), success, shaping
@@ -829,19 +851,19 @@ class ChunkRunner:
     def _grasped(self, obs: torch.Tensor) -> Grasp:
         """PickCube's grasp after a step, per env: ``flag`` (the env's ``is_grasped``, read off contact forces: it
         also fires while the fingers squeeze an edge of the cube and slide off it), ``held`` (the flag with the
-        fingers >= ``grasp_min_gap`` apart: across the cube's faces) and ``reach = 1 - tanh(5 |cube - gripper|)``
-        from the observation ``obs [N, 42]``."""
+        fingers >= ``grasp_min_gap`` apart: across the cube's faces), ``reach = 1 - tanh(5 |cube - gripper|)``
+        and ``to_goal = |goal - cube|`` from the observation ``obs [N, 42]``."""
         flags = getattr(self.env, "task_flags", {})
         if "is_grasped" not in flags:
-            raise ValueError(f"reach_weight / grasp_min_gap need the env's is_grasped flag (PickCube-v1's), got flags "
-                             f"{list(flags)}: set reach_weight: 0.0 and grasp_min_gap: 0.0")
+            raise ValueError(f"reach_weight / grasp_min_gap / place_weight need the env's is_grasped flag "
+                             f"(PickCube-v1's), got flags {list(flags)}: set them to 0.0")
         if obs.shape[-1] != PICKCUBE_OBS_DIM:
-            raise ValueError(f"reach_weight / grasp_min_gap read PickCube-v1's state observation ({PICKCUBE_OBS_DIM} "
-                             f"dims), got {obs.shape[-1]}: set reach_weight: 0.0 and grasp_min_gap: 0.0")
+            raise ValueError(f"reach_weight / grasp_min_gap / place_weight read PickCube-v1's state observation "
+                             f"({PICKCUBE_OBS_DIM} dims), got {obs.shape[-1]}: set them to 0.0")
         flag = flags["is_grasped"].cpu()
         held = flag & (obs[:, PICKCUBE_FINGERS].sum(1) >= self.grasp_min_gap)
         reach = 1 - torch.tanh(5 * obs[:, PICKCUBE_TCP_TO_OBJ].norm(dim=1))
-        return Grasp(flag, held, reach)
+        return Grasp(flag, held, reach, obs[:, PICKCUBE_OBJ_TO_GOAL].norm(dim=1))
 
     def step_branches(self, actions: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         """Try ``M`` chunks ``actions [M, N, Ta, A]`` from the current state of every env: branch ``m < M-1``
@@ -1200,7 +1222,8 @@ def resume(cfg: ReinFlowConfig, agent: ReinFlowAgent, last: Path, actor_opt, cri
         print(f"resumed from {last} at iteration {start} ({env_steps} env steps)")
     runner = ChunkRunner(env, agent.obs_horizon, cfg.gamma, cfg.reward, first_seed=next_seed,
                          reward_scale=cfg.reward_scale, success_bonus=cfg.success_bonus,
-                         reach_weight=cfg.reach_weight, grasp_min_gap=cfg.grasp_min_gap)
+                         reach_weight=cfg.reach_weight, grasp_min_gap=cfg.grasp_min_gap,
+                         place_weight=cfg.place_weight, place_sharpness=cfg.place_sharpness)
     runner.env_steps = env_steps
     return start, runner, best, ckpt
 

@@ -97,6 +97,10 @@
 # so it also fires while the fingers squeeze an edge of the cube and slide off it; `grasp_min_gap` $g$ counts it
 # (in the dense reward's grasp and place terms and in the reach term) only while the fingers are $\geq g$ apart,
 # across the 4 cm cube, and pays a squeeze on the edge $\mathrm{reach}/5$, as for the approach.
+# `place_weight` $w_p$ adds $w_p\,(1 - \tanh(k\,\lVert p_{\rm goal} - p_{\rm cube}\rVert))$ while the grasp counts
+# ($k$ = `place_sharpness`, 20/m): the dense reward's own place term, $(1 - \tanh(5 d))/5$, pays about 0.01 per
+# step for a centimetre, which a critic does not tell apart from its noise when the cube hangs 3 cm above the goal;
+# at $k = 20$ the last centimetres pay 0.1-0.15 each.
 #
 # **Why it needs many samples.** The gradient is a likelihood-ratio estimate through the noise of every
 # stochastic step: with $K = 4$ and $8 \times 4$ executed dims, one decision's advantage is spread over
@@ -169,6 +173,8 @@ reward_scale = 1.0
 success_bonus = 0.0
 reach_weight = 0.0  # PickCube, dense or shaped: weight on the reach term 1 - tanh(5 d) (learning only)
 grasp_min_gap = 0.0  # PickCube, dense or shaped: a grasp counts only with the fingers this far apart (m)
+place_weight = 0.0  # PickCube, dense or shaped: weight on a steep place term 1 - tanh(k d) while grasped
+place_sharpness = 20.0  # k of that place term (1/m)
 num_inference_steps = 8
 min_noise_std = 0.01
 max_noise_std = 0.3

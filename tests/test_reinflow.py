@@ -532,12 +532,14 @@ class Approach:
     1 - tanh(5 d_t) with d_t = 0.1 / t, the normalized dense reward reach / 5 until the grasp at step
     ``grasp_at`` (is_grasped from then on, dense 0.5), and success (dense 1) at step ``solved_at``; the env
     never terminates (``"shaped"`` ends the episode at success itself).  Its observations have PickCube-v1's
-    layout with ``tcp_to_obj = [d_t, 0, 0]`` and the fingers ``gap(t)`` apart (4 cm: across the cube)."""
+    layout with ``tcp_to_obj = [d_t, 0, 0]``, the fingers ``gap(t)`` apart (4 cm: across the cube) and the goal
+    ``to_goal(t)`` above the cube (``obj_to_goal = [0, 0, to_goal(t)]``)."""
 
     num_envs, device = 1, "cpu"
 
-    def __init__(self, grasp_at: int, solved_at: int, flags: bool = True, gap=lambda t: 0.04):
+    def __init__(self, grasp_at: int, solved_at: int, flags: bool = True, gap=lambda t: 0.04, to_goal=lambda t: 0.0):
         self.grasp_at, self.solved_at, self.flags, self.gap, self.t = grasp_at, solved_at, flags, gap, 0
+        self.to_goal = to_goal
         self.task_flags = {}
 
     def reach(self, t: int) -> float:
@@ -556,6 +558,7 @@ class Approach:
         obs = torch.zeros(1, envs.PICKCUBE_OBS_DIM)
         obs[0, envs.PICKCUBE_TCP_TO_OBJ.start] = 0.1 / self.t
         obs[0, envs.PICKCUBE_FINGERS] = self.gap(self.t) / 2
+        obs[0, envs.PICKCUBE_OBJ_TO_GOAL.start + 2] = self.to_goal(self.t)
         return obs, torch.tensor([dense]), torch.zeros(1, dtype=torch.bool), torch.zeros(1, dtype=torch.bool), \
             torch.tensor([success])
 
@@ -620,6 +623,43 @@ def test_grasp_min_gap_pays_a_squeeze_on_the_edge_what_the_approach_pays_and_a_g
         reinflow.ReinFlowConfig(reward="dense", grasp_min_gap=0.035, env_id="PushCube-v1")
     with pytest.raises(ValueError, match="grasp_min_gap must be >= 0"):
         reinflow.ReinFlowConfig(reward="dense", grasp_min_gap=-0.01)
+
+
+def test_place_weight_pays_the_steep_place_term_while_the_grasp_counts():
+    """The flag fires at step 3 with the fingers 1 cm apart until step 5 (a squeeze on the edge), the cube comes
+    down from 8 cm to 1 cm under the goal over steps 1..7, success at 7.  Learning's dense reward gains
+    w_p (1 - tanh(k d)) at the steps whose grasp counts (from step 5 with grasp_min_gap 3.5 cm, from step 3 without)
+    and at success; the shaped reward's potential gains the same, and its terms still telescope."""
+    gamma, w_p, k = 0.8, 2.0, 20.0
+    gap, to_goal = (lambda t: 0.01 if t in (3, 4) else 0.04), (lambda t: 0.08 - 0.01 * t)
+    env = Approach(3, 7, gap=gap, to_goal=to_goal)
+    dense = [env.reach(t) / 5 for t in (1, 2)] + [0.5] * 4 + [1.0]       # the env's, after steps 1..7
+    held = [env.reach(t) / 5 for t in (1, 2, 3, 4)] + [0.5, 0.5, 1.0]  # the squeeze paid as the approach
+    place = [1 - math.tanh(k * to_goal(t)) for t in range(1, 8)]
+    assert place[-1] > 0.8 and place[2] < 0.3  # steep: 1 cm pays 4x what 5 cm does
+    for min_gap, learn, counts in ((0.035, held, 4), (0.0, dense, 2)):
+        expect = [learn[i] + (w_p * place[i] if i >= counts else 0.0) for i in range(7)]
+        runner = reinflow.ChunkRunner(Approach(3, 7, gap=gap, to_goal=to_goal), 2, gamma, reward="dense",
+                                      grasp_min_gap=min_gap, place_weight=w_p, place_sharpness=k)
+        out = runner.step_chunk(torch.zeros(1, 7, ACT_DIM))
+        assert out["reward"].item() == pytest.approx(sum(gamma ** i * expect[i] for i in range(7)))
+        assert runner.ep_return.item() == pytest.approx(sum(dense))  # logged: the env's own
+    runner = reinflow.ChunkRunner(Approach(3, 7, gap=gap, to_goal=to_goal), 2, gamma, reward="shaped",
+                                  grasp_min_gap=0.035, place_weight=w_p, place_sharpness=k)
+    out = runner.step_chunk(torch.zeros(1, 7, ACT_DIM), auto_reset=False)
+    phi = [0.0] + [held[i] + (w_p * place[i] if i >= 4 else 0.0) for i in range(6)] + [0.0]
+    shaped = sum(gamma ** i * ((i == 6) + gamma * phi[i + 1] - phi[i]) for i in range(7))
+    assert out["reward"].item() == pytest.approx(shaped) and shaped == pytest.approx(gamma ** 6)
+    with pytest.raises(ValueError, match="place_weight applies"):
+        reinflow.ChunkRunner(env, 2, gamma, reward="sparse", place_weight=w_p)
+    with pytest.raises(ValueError, match="set place_weight: 0.0 or reward: dense"):
+        reinflow.ReinFlowConfig(reward="sparse", place_weight=1.0)
+    with pytest.raises(ValueError, match="cube-to-goal offset"):
+        reinflow.ReinFlowConfig(reward="dense", place_weight=1.0, env_id="PushCube-v1")
+    with pytest.raises(ValueError, match="place_weight must be >= 0"):
+        reinflow.ReinFlowConfig(reward="dense", place_weight=-1.0)
+    with pytest.raises(ValueError, match="place_sharpness must be > 0"):
+        reinflow.ReinFlowConfig(reward="dense", place_weight=1.0, place_sharpness=0.0)
 
 
 class WrongWidth(Approach):
