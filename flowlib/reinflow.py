@@ -722,7 +722,7 @@ class ChunkRunner:
     ``w_p (1 - tanh(k |goal - cube|))`` (``k`` = ``place_sharpness``) while the grasp counts (or at success), likewise:
     the dense reward's place term, ``(1 - tanh(5 d)) / 5``, pays ~0.01 per step for a centimetre, too little for the
     critic to tell a cube held 3 cm above the goal from one brought down into it (README, stage 3); at ``k = 20`` the
-    last centimetres pay ~0.1-0.15 each.
+    last centimetres pay ~0.1-0.2 each.
     """
 
     EPISODE_STATE = ("window", "ep_return", "ep_success", "ep_flags", "ep_length", "active", "phi")  # what ``save`` keeps

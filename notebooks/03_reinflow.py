@@ -100,7 +100,7 @@
 # `place_weight` $w_p$ adds $w_p\,(1 - \tanh(k\,\lVert p_{\rm goal} - p_{\rm cube}\rVert))$ while the grasp counts
 # ($k$ = `place_sharpness`, 20/m): the dense reward's own place term, $(1 - \tanh(5 d))/5$, pays about 0.01 per
 # step for a centimetre, which a critic does not tell apart from its noise when the cube hangs 3 cm above the goal;
-# at $k = 20$ the last centimetres pay 0.1-0.15 each.
+# at $k = 20$ each of the last five centimetres pays 0.1-0.2.
 #
 # **Why it needs many samples.** The gradient is a likelihood-ratio estimate through the noise of every
 # stochastic step: with $K = 4$ and $8 \times 4$ executed dims, one decision's advantage is spread over
