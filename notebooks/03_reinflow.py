@@ -160,7 +160,8 @@ from flowlib.tracking import start_run
 
 # %% tags=["parameters"]
 # Defaults: a short CPU run from notebook 01's default checkpoint (minutes; it shows the machinery,
-# not a better policy). params/03_reinflow/cpu.yaml is the ~1 h CPU run, baseline.yaml the paper-size one.
+# not a better policy). params/03_reinflow/cpu.yaml is the ~1 h CPU run that takes PickCube past 0.90
+# (a per-step residual, TD3), cpu_ppo.yaml the ~1 h PPO run through the chain, baseline.yaml the paper-size one.
 seed = 0
 init_checkpoint = ""
 env_id = "PickCube-v1"
