@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from .data import ChunkDataset, Episode, Normalizer
 from .flows import ShortCut
-from .runs import save_torch
+from .runs import rng_state, save_torch, set_rng_state
 from .unet import ShortCutVelocityUNet1D
 
 CHECKPOINT_FORMAT = "flowlib.shortcut_bc/1"
@@ -109,8 +109,9 @@ class FlowPolicy(nn.Module):
 
     def chunk(self, obs_window: torch.Tensor, x0: torch.Tensor, num_steps: int, use_ema: bool = True) -> torch.Tensor:
         """``sample_chunk`` from a given ``x0 [N, H, A]``, differentiable in ``x0``: the map from latent noise to
-        raw actions that steering ``x_0`` (DSRL) acts through."""
-        x = self.flow.integrate(x0.to(obs_window.device), num_steps, obs=self.obs_normalizer.normalize(obs_window),
+        raw actions that steering ``x_0`` (DSRL) acts through.  Computed, and returned, on the policy's device."""
+        device = self.action_normalizer.shift.device  # the policy's: raw windows may come from CPU envs
+        x = self.flow.integrate(x0.to(device), num_steps, obs=self.obs_normalizer.normalize(obs_window.to(device)),
                                 use_ema=use_ema)
         return self.action_normalizer.unnormalize(x)
 
@@ -163,7 +164,7 @@ def save_checkpoint(path: Path, policy: FlowPolicy, optimizer, scheduler, step: 
         "action_normalizer": policy.action_normalizer.state_dict(),
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "best": best, "rng": torch.get_rng_state(),
+        "best": best, **rng_state(),
     }, path)
 
 
@@ -327,6 +328,8 @@ def train(cfg, dataset: ChunkDataset, run_path: Path, tracker=None, env=None,
         meta = policy_meta(cfg, dataset, control_mode)
         policy = build_policy(meta, dataset.obs_normalizer, dataset.action_normalizer)
     meta = policy.meta
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    policy.to(device)  # before the optimiser: a resumed optimiser's moments then load onto the device too
     optimizer = torch.optim.AdamW(policy.flow.net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = cosine_with_warmup(optimizer, cfg.warmup_steps, cfg.train_steps)
     step, best = 0, {"success_once": -1.0, "step": 0}
@@ -343,14 +346,12 @@ def train(cfg, dataset: ChunkDataset, run_path: Path, tracker=None, env=None,
         policy.action_normalizer.load_state_dict(ckpt["action_normalizer"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
-        torch.set_rng_state(ckpt["rng"])
+        set_rng_state(ckpt)
         step, best = ckpt["step"], ckpt["best"]
         if tracker is not None and hasattr(tracker, "rewind"):
             tracker.rewind(step)  # rows logged after the checkpoint will be logged again
         print(f"resumed from {last} at step {step}")
-    obs_all, act_all = dataset.tensors()  # [N, To, O], [N, H, A] (normalised; before the policy moves)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    policy.to(device)
+    obs_all, act_all = dataset.tensors()  # [N, To, O], [N, H, A] (normalised)
     obs_all, act_all = obs_all.to(device), act_all.to(device)
     if weights is not None:
         if weights.shape != (len(obs_all),):

@@ -261,16 +261,20 @@ class ChunkDataset(Dataset):
             actions[after, :-1] = 0.0  # hold still; keep the last gripper command
         return obs, actions
 
+    @staticmethod
+    def _normalized(normalizer: Normalizer, x: np.ndarray) -> torch.Tensor:
+        """``normalizer.normalize(x)`` as a CPU tensor, wherever the normalizer lives: a dataset built on a
+        policy's normalizers (stage 2) shares them, and training moves that policy to the GPU."""
+        with torch.no_grad():
+            return normalizer.normalize(torch.from_numpy(x).to(normalizer.shift.device)).cpu()
+
     def __getitem__(self, i: int):
         obs, actions = self.window(*self.index[i])
-        obs = self.obs_normalizer.normalize(torch.from_numpy(obs))
-        actions = self.action_normalizer.normalize(torch.from_numpy(actions))
-        return obs, actions  # [To, O], [H, A]
+        # [To, O], [H, A]
+        return self._normalized(self.obs_normalizer, obs), self._normalized(self.action_normalizer, actions)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every sample at once, normalised: ``obs [N, To, O]``, ``actions [N, H, A]`` (for fast batching)."""
         windows = [self.window(e, s) for e, s in self.index]
-        obs = torch.from_numpy(np.stack([w[0] for w in windows]))
-        actions = torch.from_numpy(np.stack([w[1] for w in windows]))
-        with torch.no_grad():
-            return self.obs_normalizer.normalize(obs), self.action_normalizer.normalize(actions)
+        obs, actions = np.stack([w[0] for w in windows]), np.stack([w[1] for w in windows])
+        return self._normalized(self.obs_normalizer, obs), self._normalized(self.action_normalizer, actions)

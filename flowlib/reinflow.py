@@ -50,7 +50,7 @@ from .flow_sde import (LEARNED_NOISE, LOG_2PI, METHODS, check_method, full_mask,
 from .flows import time_grid
 from .nets import SinusoidalEmbedding, mlp
 from .ppo import explained_variance, gae, ppo_update  # noqa: F401  (the PPO toolkit lives in flowlib.ppo)
-from .runs import policy_checkpoint, save_torch
+from .runs import policy_checkpoint, rng_state, save_torch, set_rng_state
 
 
 # Which dims of each transition enter the chain's log-prob (the ratio of PPO):
@@ -1068,7 +1068,7 @@ def save_agent(path: Path, agent: ReinFlowAgent, actor_opt, critic_opt, cfg: Rei
     return save_torch({"format": CHECKPOINT_FORMAT, "meta": agent.meta, "config": dataclasses.asdict(cfg),
                        "agent": agent.state_dict(), "actor_opt": actor_opt.state_dict(),
                        "critic_opt": critic_opt.state_dict(), "iteration": iteration, "env_steps": runner.env_steps,
-                       "next_seed": runner.next_seed, "best": best, "rng": torch.get_rng_state(), **extra}, path)
+                       "next_seed": runner.next_seed, "best": best, **rng_state(), **extra}, path)
 
 
 def read_agent_checkpoint(path: str | Path) -> dict:
@@ -1215,7 +1215,7 @@ def resume(cfg: ReinFlowConfig, agent: ReinFlowAgent, last: Path, actor_opt, cri
         agent.load_state_dict(ckpt["agent"])
         actor_opt.load_state_dict(ckpt["actor_opt"])
         critic_opt.load_state_dict(ckpt["critic_opt"])
-        torch.set_rng_state(ckpt["rng"])
+        set_rng_state(ckpt)
         start, next_seed, env_steps, best = ckpt["iteration"], ckpt["next_seed"], ckpt["env_steps"], ckpt["best"]
         if tracker is not None:
             tracker.rewind(env_steps)

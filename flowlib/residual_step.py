@@ -269,9 +269,10 @@ class StepCollector:
         for _ in range(num_steps):
             tp = time.time()
             window = runner.window.clone()
-            base = norm(self.chunk[rows, self.phase - self.offset])                               # [N, A]
-            r = agent.explore_noise(agent.residual(agent.state(window.to(device), base.to(device))), self.gen).cpu()
-            action = agent.action_normalizer.unnormalize(base + r).clamp(-1.0, 1.0)
+            base = norm(self.chunk[rows, self.phase - self.offset].to(device))                    # [N, A]
+            r = agent.explore_noise(agent.residual(agent.state(window.to(device), base)), self.gen)
+            action = agent.action_normalizer.unnormalize(base + r).clamp(-1.0, 1.0).cpu()
+            base, r = base.cpu(), r.cpu()  # the replay buffer lives on the CPU
             policy_time += time.time() - tp
             out = runner.step_chunk(action[:, None])
             tp = time.time()
@@ -284,9 +285,10 @@ class StepCollector:
                 next_base[~out["end"]] = self.chunk[~out["end"], 0]  # the ended envs re-planned from their resets too
             elif out["end"].any():
                 self._plan(out["end"])
+            next_base = norm(next_base.to(device)).cpu()
             for row in self.n_step.push(obs=window, latent=r, reward=out["reward"], end=out["end"],
                                         bootstrap=out["discount"] * (~out["terminal"]).float(),
-                                        next_obs=out["next_window"], base=base, next_base=norm(next_base)):
+                                        next_obs=out["next_window"], base=base, next_base=next_base):
                 buffer.add(**row)
             policy_time += time.time() - tp
         self.window = runner.window.clone()

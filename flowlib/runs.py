@@ -85,6 +85,26 @@ def save_params(run_path: Path, cfg) -> Path:
     return save_text(Path(run_path) / "params.yaml", yaml.safe_dump(values, sort_keys=False))
 
 
+def rng_state() -> dict[str, Any]:
+    """torch's global generators, for a checkpoint: the CPU's and, on a GPU machine, CUDA's (a GPU run draws its
+    flow-matching noise and TD3's target noise there), so that a resumed run draws what an unbroken one would."""
+    import torch
+
+    return {"rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(ckpt: dict[str, Any]) -> None:
+    """Rewind the generators ``rng_state`` saved into ``ckpt`` (CUDA's only on a machine with as many GPUs; a
+    checkpoint from before CUDA's was saved, or from a CPU machine, rewinds the CPU's alone)."""
+    import torch
+
+    torch.set_rng_state(ckpt["rng"])
+    cuda = ckpt.get("cuda_rng")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
 def save_torch(obj: Any, path: Path) -> Path:
     """``torch.save`` atomically: a crash mid-write leaves the previous file intact."""
     import torch

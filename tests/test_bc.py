@@ -61,7 +61,7 @@ def test_checkpoint_round_trip_gives_the_same_actions(tmp_path):
     policy, _ = bc.train(cfg, ChunkDataset(random_episodes(), 2, 16), tmp_path)
     loaded = bc.load_policy(tmp_path / "last.pt")
     obs = torch.randn(3, 2, OBS_DIM)
-    a = policy.act(obs, 4, torch.Generator().manual_seed(0))
+    a = policy.cpu().act(obs, 4, torch.Generator().manual_seed(0))  # trained on the GPU if any
     b = loaded.act(obs, 4, torch.Generator().manual_seed(0))
     assert a.shape == (3, cfg.act_horizon, ACT_DIM) and torch.allclose(a, b)
     assert (tmp_path / "best_model.pt").exists()
@@ -217,5 +217,5 @@ def test_an_episode_does_not_depend_on_how_episodes_are_batched(tmp_path):
             runs[num_envs] = bc.evaluate(policy, env, 3, 2, seed=5, action_noise_std=0.3, record=True)["rollouts"]
     for one, two in zip(runs[1], runs[2], strict=True):
         assert one.seed == two.seed
-        np.testing.assert_allclose(one.actions, two.actions, atol=1e-5)
+        np.testing.assert_allclose(one.actions, two.actions, atol=1e-4)  # CUDA kernels vary with the batch by ~1e-5
         np.testing.assert_allclose(one.obs, two.obs, atol=1e-4)

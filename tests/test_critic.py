@@ -179,7 +179,7 @@ def test_aw_checkpoint_holds_policy_and_critic_for_stage_3(tmp_path):
     policy, loaded_critic = awsc.load_from_aw_shortcut_flow(tmp_path / "s2" / "best_model.pt")
     obs = torch.randn(4, 2, OBS_DIM)
     gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
-    assert torch.allclose(policy.act(obs, 2, gen()), stage2.act(obs, 2, gen()))
+    assert torch.allclose(policy.act(obs, 2, gen()), stage2.cpu().act(obs, 2, gen()))  # trained on the GPU if any
     assert torch.allclose(loaded_critic.value(obs), critic.value(obs))
     assert awsc.load_from_aw_shortcut_flow(tmp_path / "s1" / "last.pt")[1] is None  # stage 1: no critic
     with pytest.raises(ValueError, match="weights must be"):

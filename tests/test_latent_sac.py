@@ -150,7 +150,7 @@ def test_sac_runs_in_a_real_pickcube_env_and_resumes_with_its_replay(tmp_path):
         assert [r["updates"] for r in rows] == [3, 3] and [r["buffer"] for r in rows] == [6, 12]
         assert "policy_loss" not in rows[0] and {"policy_loss", "value_loss", "q", "alpha", "noise_std",
                                                  "eval/success_once"} <= set(rows[0]) | set(rows[1])
-        assert any(not torch.equal(a, b) for a, b in zip(before, agent.policy_parameters()))
+        assert any(not torch.equal(a, b.cpu()) for a, b in zip(before, agent.policy_parameters()))  # on a GPU, moved
         ckpt = reinflow.read_agent_checkpoint(run / "last.pt")
         assert ckpt["replay"]["size"] == 12
         # a longer budget under the same name goes on from last.pt, with the 12 decisions it had
@@ -167,4 +167,4 @@ def test_sac_runs_in_a_real_pickcube_env_and_resumes_with_its_replay(tmp_path):
     reloaded = reinflow.load_agent(run / "last.pt")
     assert isinstance(reloaded, LatentSACAgent)
     window = torch.randn(3, 2, OBS_DIM)
-    assert torch.equal(reloaded.act(window), agent2.eval().act(window))
+    assert torch.equal(reloaded.act(window), agent2.eval().cpu().act(window))  # trained on the GPU if any

@@ -350,7 +350,7 @@ def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, 
     # PickCube's failure breakdown, in training (noise on) and in the periodic evaluations
     assert {"train/is_grasped_once", "train/is_obj_placed_once", "eval/is_grasped_once"} <= set(rows[0])
     assert eval_seeds == [cfg.val_seed]  # after iteration 1 (not after the last one)
-    assert any(not torch.equal(a, b) for a, b in zip(before, agent.policy_parameters()))
+    assert any(not torch.equal(a, b.cpu()) for a, b in zip(before, agent.policy_parameters()))  # on a GPU, moved
     ckpt = reinflow.read_agent_checkpoint(tmp_path / "run" / "last.pt")
     assert ckpt["iteration"] == 2 and ckpt["env_steps"] == 2 * per_iter
     assert bool(ckpt["actor_opt"]["state"]) is (cfg.actor_optimizer == "adam")  # plain SGD keeps no moments
@@ -358,7 +358,7 @@ def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, 
     assert reloaded.act_horizon == agent.act_horizon == Ta  # the override travels with the checkpoint
     window = torch.randn(3, 2, OBS_DIM)
     assert torch.equal(reloaded.act(window, generator=torch.Generator().manual_seed(0)),
-                       agent.act(window, generator=torch.Generator().manual_seed(0)))
+                       agent.cpu().act(window, generator=torch.Generator().manual_seed(0)))  # trained on the GPU if any
     with pytest.raises(ValueError, match="not a ReinFlow checkpoint"):
         reinflow.read_agent_checkpoint(path)
     if not options:  # the gradient-SNR benchmark on this checkpoint: 2 rollouts x 2 envs = 4 independent units

@@ -252,7 +252,7 @@ def test_td3_runs_in_a_real_pickcube_env_and_its_transitions_chain_step_to_step(
         assert [r["actor_lr"] for r in rows] == pytest.approx([0.0, 0.5 * cfg.actor_lr])  # half way up the ramp
         assert "policy_loss" not in rows[0] and {"policy_loss", "value_loss", "q", "residual_rms",
                                                  "eval/success_once", "train/success_once"} <= set(rows[0]) | set(rows[1])
-        assert any(not torch.equal(a, b) for a, b in zip(before, agent.policy_parameters()))
+        assert any(not torch.equal(a, b.cpu()) for a, b in zip(before, agent.policy_parameters()))  # on a GPU, moved
         assert reinflow.read_agent_checkpoint(run / "last.pt")["replay"]["size"] == 96
         longer = reinflow.checkpoint_config(reinflow.read_agent_checkpoint(run / "last.pt"),
                                             {"total_env_steps": 3 * per_iter})
@@ -298,7 +298,8 @@ def test_td3_runs_in_a_real_pickcube_env_and_its_transitions_chain_step_to_step(
     assert isinstance(reloaded, StepResidualAgent)
     window = torch.randn(3, 2, OBS_DIM)
     a = torch.zeros(3, ACT_DIM)
-    assert torch.equal(reloaded.correct_step(window, a), agent2.eval().correct_step(window, a))
+    agent2 = agent2.eval().cpu()  # trained on the GPU if any
+    assert torch.equal(reloaded.correct_step(window, a), agent2.correct_step(window, a))
 
 
 def test_the_nudge_benchmark_moves_the_gripper_towards_the_goal_only_while_grasped():

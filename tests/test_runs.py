@@ -5,8 +5,22 @@ import json
 import pytest
 import torch
 
-from flowlib.runs import run_dir, save_json, save_torch
+from flowlib.runs import rng_state, run_dir, save_json, save_torch, set_rng_state
 from flowlib.tracking import Tracker
+
+
+def test_rng_state_rewinds_the_draws_and_reads_checkpoints_saved_without_cuda_state():
+    state = rng_state()
+    draws = torch.rand(3)
+    set_rng_state(state)
+    assert torch.equal(torch.rand(3), draws)
+    set_rng_state({"rng": state["rng"]})  # a checkpoint from before CUDA's state was saved: the CPU's alone
+    assert torch.equal(torch.rand(3), draws)
+    if torch.cuda.is_available():  # a GPU machine: a GPU run's noise is drawn there, and rewinds too
+        state = rng_state()
+        draws = torch.rand(3, device="cuda")
+        set_rng_state(state)
+        assert torch.equal(torch.rand(3, device="cuda"), draws)
 
 
 def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path):
