@@ -243,12 +243,13 @@ class StepCollector:
                  n_step: int = 1):
         self.agent, self.runner, self.gen = agent, runner, generator
         self.n_step = NStepReturns(n_step)  # steps wait here until their n-step return is known
-        self.chunk, self.phase, self.window = None, 0, None  # [N, Ta, A] env units; steps into the common chunk
+        self.chunk, self.phase, self.window = None, 0, None  # [N, Ta, A] normalised, CPU; steps into the common chunk
         self.offset = None  # [N]: where each env's own chunk started, in steps before the common boundary
 
     def _plan(self, rows: torch.Tensor) -> None:
-        device = self.agent.explore_std.device
-        self.chunk[rows] = self.agent.base_chunk(self.runner.window[rows].to(device), self.gen).cpu()
+        """Re-plan ``rows``: the base chunk, normalised once here (not at each of its steps), kept on the CPU."""
+        device, norm = self.agent.explore_std.device, self.agent.action_normalizer.normalize
+        self.chunk[rows] = norm(self.agent.base_chunk(self.runner.window[rows].to(device), self.gen)).cpu()
         self.offset[rows] = self.phase
 
     @torch.no_grad()
@@ -257,7 +258,6 @@ class StepCollector:
         stored in ``buffer``; returns the policy's share of the wall time."""
         agent, runner, device = self.agent, self.runner, self.agent.explore_std.device
         N, Ta, A = runner.env.num_envs, agent.act_horizon, agent.action_dim
-        norm = agent.action_normalizer.normalize
         tp, policy_time = time.time(), 0.0
         rows, every = torch.arange(N), torch.ones(N, dtype=torch.bool)
         if self.window is None or not torch.equal(self.window, runner.window):
@@ -269,10 +269,11 @@ class StepCollector:
         for _ in range(num_steps):
             tp = time.time()
             window = runner.window.clone()
-            base = norm(self.chunk[rows, self.phase - self.offset].to(device))                    # [N, A]
-            r = agent.explore_noise(agent.residual(agent.state(window.to(device), base)), self.gen)
-            action = agent.action_normalizer.unnormalize(base + r).clamp(-1.0, 1.0).cpu()
-            base, r = base.cpu(), r.cpu()  # the replay buffer lives on the CPU
+            base = self.chunk[rows, self.phase - self.offset]                          # [N, A] normalised, CPU
+            base_d = base.to(device)
+            r = agent.explore_noise(agent.residual(agent.state(window.to(device), base_d)), self.gen)
+            action = agent.action_normalizer.unnormalize(base_d + r).clamp(-1.0, 1.0).cpu()
+            r = r.cpu()  # the replay buffer lives on the CPU
             policy_time += time.time() - tp
             out = runner.step_chunk(action[:, None])
             tp = time.time()
@@ -285,7 +286,6 @@ class StepCollector:
                 next_base[~out["end"]] = self.chunk[~out["end"], 0]  # the ended envs re-planned from their resets too
             elif out["end"].any():
                 self._plan(out["end"])
-            next_base = norm(next_base.to(device)).cpu()
             for row in self.n_step.push(obs=window, latent=r, reward=out["reward"], end=out["end"],
                                         bootstrap=out["discount"] * (~out["terminal"]).float(),
                                         next_obs=out["next_window"], base=base, next_base=next_base):

@@ -217,5 +217,6 @@ def test_an_episode_does_not_depend_on_how_episodes_are_batched(tmp_path):
             runs[num_envs] = bc.evaluate(policy, env, 3, 2, seed=5, action_noise_std=0.3, record=True)["rollouts"]
     for one, two in zip(runs[1], runs[2], strict=True):
         assert one.seed == two.seed
-        np.testing.assert_allclose(one.actions, two.actions, atol=1e-4)  # CUDA kernels vary with the batch by ~1e-5
+        # CUDA's kernels vary with the batch size by ~1e-5; on the CPU the episodes match to 1e-5
+        np.testing.assert_allclose(one.actions, two.actions, atol=1e-4 if torch.cuda.is_available() else 1e-5)
         np.testing.assert_allclose(one.obs, two.obs, atol=1e-4)
