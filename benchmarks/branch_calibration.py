@@ -28,7 +28,7 @@ import torch
 from scipy import stats
 from tqdm import tqdm
 
-from flowlib import reinflow
+from flowlib import reinflow, smdp
 from flowlib.envs import make_env
 from flowlib.run import parse_overrides
 from flowlib.runs import run_dir, save_json
@@ -52,7 +52,7 @@ def main(argv=None) -> dict:
     gen = torch.Generator().manual_seed(args.seed)
     q_hat, g, t0 = [[], []], [[], []], time.time()
     with torch.no_grad(), make_env(cfg.env_id, args.num_envs, max_episode_steps=cfg.max_episode_steps) as env:
-        runner = reinflow.ChunkRunner(env, agent.obs_horizon, cfg.gamma, cfg.reward, first_seed=args.seed,
+        runner = smdp.ChunkRunner(env, agent.obs_horizon, cfg.gamma, cfg.reward, first_seed=args.seed,
                                       reward_scale=cfg.reward_scale, success_bonus=cfg.success_bonus)
         for _ in tqdm(range(args.batches), desc="branch points", mininterval=10):
             runner.restart()

@@ -29,7 +29,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from flowlib import ppo, reinflow
+from flowlib import ppo, reinflow, smdp
 from flowlib.envs import make_env
 from flowlib.flow_sde import LEARNED_NOISE
 from flowlib.runs import run_dir, save_json
@@ -62,7 +62,7 @@ def main(argv=None) -> None:
     # --- rollouts: one unit = one env's T decisions in one rollout
     t0, gen, pool = time.time(), torch.Generator().manual_seed(args.seed), []
     with make_env(cfg.env_id, args.num_envs, max_episode_steps=cfg.max_episode_steps) as env:
-        runner = reinflow.ChunkRunner(env, agent.obs_horizon, cfg.gamma, cfg.reward, first_seed=args.seed,
+        runner = smdp.ChunkRunner(env, agent.obs_horizon, cfg.gamma, cfg.reward, first_seed=args.seed,
                                       reward_scale=cfg.reward_scale, success_bonus=cfg.success_bonus)
         for _ in tqdm(range(args.rollouts), desc="rollouts", mininterval=10):
             runner.restart()

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from flowlib import bc, reinflow
+from flowlib import bc, smdp
 from flowlib.envs import PICKCUBE_GOAL as GOAL, PICKCUBE_GRASPED as GRASPED, PICKCUBE_OBJ as OBJ  # PickCube-v1's
 from flowlib.envs import PICKCUBE_OBJ_TO_GOAL as OBJ_TO_GOAL, PICKCUBE_TCP as TCP  # state layout (flowlib.envs)
 from flowlib.envs import PICKCUBE_OBS_DIM, PICKCUBE_TCP_TO_OBJ as TCP_TO_OBJ, make_env
@@ -97,7 +97,7 @@ def main(argv=None) -> dict:
 
     rows, t0 = [], time.time()
     with make_env("PickCube-v1", N) as env, tqdm(total=args.states, desc="carry states", mininterval=10) as bar:
-        runner = reinflow.ChunkRunner(env, policy.obs_horizon, gamma=1.0, first_seed=args.seed)
+        runner = smdp.ChunkRunner(env, policy.obs_horizon, gamma=1.0, first_seed=args.seed)
         for _ in range(args.max_batches):
             if len(rows) >= args.states:
                 break

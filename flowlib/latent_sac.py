@@ -45,8 +45,8 @@ from tqdm import tqdm
 
 from .flow_sde import gaussian_entropy
 from .latent import LatentSteeringAgent
-from .reinflow import (ChunkRunner, ReinFlowConfig, end_iteration, episode_stats, noise_schedule, prepare_run,
-                       resume)
+from .reinflow import ReinFlowConfig, end_iteration, episode_stats, noise_schedule, prepare_run, resume
+from .smdp import ChunkRunner
 
 
 def _q_net(sizes: list[int]) -> nn.Sequential:

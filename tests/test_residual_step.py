@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowlib import bc, reinflow
+from flowlib import bc, reinflow, smdp
 from flowlib.envs import make_env
 from flowlib.residual_step import (NStepReturns, StepCollector, StepResidualAgent, actor_lr, optimizers,
                                    replay_buffer, td3_update)
@@ -264,7 +264,7 @@ def test_td3_runs_in_a_real_pickcube_env_and_its_transitions_chain_step_to_step(
 
         # the collector's transitions: each step's (window, a_b) is the previous step's (next window, a_b')
         # unless the episode ended, and what ran is a_b + r
-        runner = reinflow.ChunkRunner(env, agent.obs_horizon, 0.99, "shaped", first_seed=123)
+        runner = smdp.ChunkRunner(env, agent.obs_horizon, 0.99, "shaped", first_seed=123)
         buffer = replay_buffer(agent, 100)
         with torch.no_grad():  # a constant residual that is not zero, so a_b + r differs from a_b
             agent.residual_net[-1].weight.zero_()
@@ -281,7 +281,7 @@ def test_td3_runs_in_a_real_pickcube_env_and_its_transitions_chain_step_to_step(
 
         # the same rollout again with 3-step returns: each row sums the one-step rewards above up to 3 steps or the
         # episode's end, and bootstraps from the window there
-        runner3 = reinflow.ChunkRunner(env, agent.obs_horizon, 0.99, "shaped", first_seed=123)
+        runner3 = smdp.ChunkRunner(env, agent.obs_horizon, 0.99, "shaped", first_seed=123)
         buffer3 = replay_buffer(agent, 100)
         StepCollector(agent, runner3, torch.Generator().manual_seed(0), n_step=3).collect(buffer3, 30)
         d3 = {k: v[:56].view(28, 2, *v.shape[1:]) for k, v in buffer3.data.items()}   # 2 steps still pending
