@@ -13,11 +13,14 @@ Modules (each with one job):
     awsc      stage 2: AW-ShortCut data with contrast, load_from_aw_shortcut_flow
     flow_sde  stochastic denoising steps: score from velocity, Flow-SDE, Flow-CPS, learned noise, hybrid masks
     ppo       the PPO toolkit: GAE / MC / n-step / GRPO advantages, dual clip, Huber value clip, the update
-    reinflow  stage 3: the agent for every noise method, SMDP rollouts, training, checkpoints, benchmarks
+    smdp      action chunks as a semi-MDP: ChunkRunner steps N envs a chunk at a time, with the rewards learning sees
+    reinflow  stage 3: the agent for every noise method, its rollouts (collect), training, checkpoints, benchmarks
     latent    stage 3, steer "latent": PPO on a Gaussian policy over the frozen flow's x_0 (DSRL's idea)
     latent_sac  the same policy over x_0 learned off-policy (DSRL's learner): twin Q, replay, KL to N(0, I)
     residual  stage 3, steer "residual": PPO on a Gaussian correction of the frozen flow's executed actions
+    residual_step  stage 3, steer "residual_step": a correction at every env step, learned by TD3 (the CPU target run)
     pirl      notebook 04's study: 2D marginal and log-prob tables, the noise-method comparison
+    evaluate  `python -m flowlib.evaluate`: checkpoints on the same fresh episodes, differences paired per episode
     sweep     `python -m flowlib.sweep run|monitor`: notebook x params folder x seeds; the sweep report
     config    typed, validated parameters (unknown keys and wrong types rejected)
     runs      run folders under outputs/, atomic writes
