@@ -53,7 +53,7 @@ def main(argv=None) -> dict:
     q_hat, g, t0 = [[], []], [[], []], time.time()
     with torch.no_grad(), make_env(cfg.env_id, args.num_envs, max_episode_steps=cfg.max_episode_steps) as env:
         runner = smdp.ChunkRunner(env, agent.obs_horizon, cfg.gamma, cfg.reward, first_seed=args.seed,
-                                      reward_scale=cfg.reward_scale, success_bonus=cfg.success_bonus)
+                                  reward_scale=cfg.reward_scale, success_bonus=cfg.success_bonus)
         for _ in tqdm(range(args.batches), desc="branch points", mininterval=10):
             runner.restart()
             for _ in range(int(torch.randint(args.max_skip + 1, (1,), generator=gen))):

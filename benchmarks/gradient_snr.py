@@ -63,7 +63,7 @@ def main(argv=None) -> None:
     t0, gen, pool = time.time(), torch.Generator().manual_seed(args.seed), []
     with make_env(cfg.env_id, args.num_envs, max_episode_steps=cfg.max_episode_steps) as env:
         runner = smdp.ChunkRunner(env, agent.obs_horizon, cfg.gamma, cfg.reward, first_seed=args.seed,
-                                      reward_scale=cfg.reward_scale, success_bonus=cfg.success_bonus)
+                                  reward_scale=cfg.reward_scale, success_bonus=cfg.success_bonus)
         for _ in tqdm(range(args.rollouts), desc="rollouts", mininterval=10):
             runner.restart()
             buf = reinflow.collect(agent, runner, T, gen, branches=cfg.branches)

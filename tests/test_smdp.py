@@ -118,7 +118,7 @@ def test_success_bonus_adds_to_what_learning_sees_on_solved_steps_only():
     out = {}
     for b in (0.0, bonus):
         runner = smdp.ChunkRunner(SolvedFromStep(3), obs_horizon=2, gamma=gamma, reward="dense",
-                                      reward_scale=scale, success_bonus=b)
+                                  reward_scale=scale, success_bonus=b)
         step = runner.step_chunk(torch.zeros(1, 6, ACT_DIM))
         out[b] = (step["reward"].item(), runner.ep_return.item(), bool(runner.ep_success))
     plain = scale * sum(gamma ** k * (1.0 if k >= 2 else 0.5) for k in range(6))
@@ -209,7 +209,7 @@ def test_grasp_min_gap_pays_a_squeeze_on_the_edge_what_the_approach_pays_and_a_g
     reach = [env.reach(t) for t in (1, 2, 3, 4)] + [1.0] * 3
     for w_, expect in ((0.0, held), (w, [h + w * x for h, x in zip(held, reach)])):
         runner = smdp.ChunkRunner(Approach(3, 7, gap=gap), 2, gamma, reward="dense", reach_weight=w_,
-                                      grasp_min_gap=0.035)
+                                  grasp_min_gap=0.035)
         out = runner.step_chunk(torch.zeros(1, 7, ACT_DIM))
         assert out["reward"].item() == pytest.approx(sum(gamma ** k * expect[k] for k in range(7)))
         assert runner.ep_return.item() == pytest.approx(sum(dense))  # logged: the env's own
@@ -246,12 +246,12 @@ def test_place_weight_pays_the_steep_place_term_while_the_grasp_counts():
     for min_gap, learn, counts in ((0.035, held, 4), (0.0, dense, 2)):
         expect = [learn[i] + (w_p * place[i] if i >= counts else 0.0) for i in range(7)]
         runner = smdp.ChunkRunner(Approach(3, 7, gap=gap, to_goal=to_goal), 2, gamma, reward="dense",
-                                      grasp_min_gap=min_gap, place_weight=w_p, place_sharpness=k)
+                                  grasp_min_gap=min_gap, place_weight=w_p, place_sharpness=k)
         out = runner.step_chunk(torch.zeros(1, 7, ACT_DIM))
         assert out["reward"].item() == pytest.approx(sum(gamma ** i * expect[i] for i in range(7)))
         assert runner.ep_return.item() == pytest.approx(sum(dense))  # logged: the env's own
     runner = smdp.ChunkRunner(Approach(3, 7, gap=gap, to_goal=to_goal), 2, gamma, reward="shaped",
-                                  grasp_min_gap=0.035, place_weight=w_p, place_sharpness=k)
+                              grasp_min_gap=0.035, place_weight=w_p, place_sharpness=k)
     out = runner.step_chunk(torch.zeros(1, 7, ACT_DIM), auto_reset=False)
     phi = [0.0] + [held[i] + (w_p * place[i] if i >= 4 else 0.0) for i in range(6)] + [0.0]
     shaped = sum(gamma ** i * ((i == 6) + gamma * phi[i + 1] - phi[i]) for i in range(7))
