@@ -42,7 +42,8 @@ def main(argv=None) -> list[dict]:
     gen = torch.Generator().manual_seed(args.seed)
     obs = torch.randn(args.rows, agent.obs_horizon, agent.obs_dim, generator=gen).to(args.device)  # [n, To, O]
     with torch.no_grad():
-        chains, log_probs, stochastic, step_lp = agent.sample(obs, torch.Generator(args.device).manual_seed(args.seed),
+        # the agent draws its noise on the CPU (as in training) and moves it to its device
+        chains, log_probs, stochastic, step_lp = agent.sample(obs, torch.Generator().manual_seed(args.seed),
                                                                return_steps=True)
     batch = {"obs": obs, "chains": chains, "log_probs": log_probs, "stochastic": stochastic,
              "step_log_probs": step_lp, "values": torch.zeros(args.rows, device=args.device),

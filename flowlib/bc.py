@@ -11,6 +11,7 @@ config, RNG state and the env/dims metadata that ``load_policy`` checks against 
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -124,13 +125,15 @@ class FlowPolicy(nn.Module):
 
 def build_policy(meta: dict[str, Any], obs_normalizer: Normalizer | None = None,
                  action_normalizer: Normalizer | None = None) -> FlowPolicy:
-    """A fresh policy from checkpoint metadata (dims, horizons, net and ShortCut sizes)."""
+    """A fresh policy from checkpoint metadata (dims, horizons, net and ShortCut sizes).  The policy keeps copies
+    of the normalisers it is given: moving it to a GPU leaves the dataset's (and a critic built from them) on the CPU."""
     net = ShortCutVelocityUNet1D(meta["action_dim"], meta["obs_dim"], meta["obs_horizon"], meta["pred_horizon"],
                                  down_dims=tuple(meta["down_dims"]), emb_dim=meta["emb_dim"])
     flow = ShortCut(net, ema_decay=meta["ema_decay"], max_steps=meta["shortcut_max_steps"],
                     bootstrap_fraction=meta["bootstrap_fraction"])
-    return FlowPolicy(flow, obs_normalizer or Normalizer(meta["obs_dim"]),
-                      action_normalizer or Normalizer(meta["action_dim"]), meta)
+    obs_normalizer = Normalizer(meta["obs_dim"]) if obs_normalizer is None else copy.deepcopy(obs_normalizer)
+    action_normalizer = Normalizer(meta["action_dim"]) if action_normalizer is None else copy.deepcopy(action_normalizer)
+    return FlowPolicy(flow, obs_normalizer, action_normalizer, meta)
 
 
 def policy_meta(cfg: ShortCutBCConfig, dataset: ChunkDataset, control_mode: str) -> dict[str, Any]:

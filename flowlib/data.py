@@ -13,6 +13,7 @@ Any ManiSkill .h5 with state observations in ``pd_ee_delta_pos`` loads the same 
 """
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import subprocess
@@ -234,8 +235,11 @@ class ChunkDataset(Dataset):
         self.episodes = episodes
         self.delta_actions = delta_actions
         self.index = [(e, s) for e, ep in enumerate(episodes) for s in range(-(obs_horizon - 1), len(ep) - obs_horizon + 1)]
-        self.obs_normalizer = obs_normalizer or Normalizer.fit(np.concatenate([ep.obs for ep in episodes]), "meanstd")
-        self.action_normalizer = action_normalizer or Normalizer.fit(np.concatenate([ep.actions for ep in episodes]), "minmax")
+        # copies of given normalisers (a policy's, in stage 2): training moves that policy to the GPU, not these
+        self.obs_normalizer = (Normalizer.fit(np.concatenate([ep.obs for ep in episodes]), "meanstd")
+                               if obs_normalizer is None else copy.deepcopy(obs_normalizer).cpu())
+        self.action_normalizer = (Normalizer.fit(np.concatenate([ep.actions for ep in episodes]), "minmax")
+                                  if action_normalizer is None else copy.deepcopy(action_normalizer).cpu())
 
     @property
     def obs_dim(self) -> int:
@@ -263,10 +267,8 @@ class ChunkDataset(Dataset):
 
     @staticmethod
     def _normalized(normalizer: Normalizer, x: np.ndarray) -> torch.Tensor:
-        """``normalizer.normalize(x)`` as a CPU tensor, wherever the normalizer lives: a dataset built on a
-        policy's normalizers (stage 2) shares them, and training moves that policy to the GPU."""
         with torch.no_grad():
-            return normalizer.normalize(torch.from_numpy(x).to(normalizer.shift.device)).cpu()
+            return normalizer.normalize(torch.from_numpy(x))
 
     def __getitem__(self, i: int):
         obs, actions = self.window(*self.index[i])

@@ -56,6 +56,25 @@ def test_config_rejects_inconsistent_horizons_and_steps():
         bc.ShortCutBCConfig(eval_inference_steps=[3])
 
 
+def test_the_policy_and_the_dataset_own_their_normalisers_so_moving_the_policy_moves_neither_dataset():
+    """Training moves the policy to the GPU.  The dataset it was fitted on keeps its normalisers where they were (a
+    critic built from them after stage 1 crashed on an H200 with CUDA statistics and CPU weights), and so does a
+    stage-2 dataset built from the policy's.  ``double()`` stands in for ``to("cuda")``: any move of the buffers."""
+    eps = random_episodes()
+    dataset = ChunkDataset(eps, 2, 16)
+    cfg = tiny_cfg()
+    policy = bc.build_policy(bc.policy_meta(cfg, dataset, "pd_ee_delta_pos"), dataset.obs_normalizer,
+                             dataset.action_normalizer)
+    stage2 = ChunkDataset(eps, 2, 16, policy.obs_normalizer, policy.action_normalizer)
+    before = stage2.tensors()
+    policy.double()
+    assert policy.obs_normalizer.shift.dtype == torch.float64
+    for data in (dataset, stage2):
+        assert data.obs_normalizer.shift.dtype == data.action_normalizer.scale.dtype == torch.float32
+    torch.testing.assert_close(stage2.tensors(), before)
+    torch.testing.assert_close(stage2.obs_normalizer.shift, dataset.obs_normalizer.shift)  # copies, same statistics
+
+
 def test_checkpoint_round_trip_gives_the_same_actions(tmp_path):
     cfg = tiny_cfg(train_steps=5)
     policy, _ = bc.train(cfg, ChunkDataset(random_episodes(), 2, 16), tmp_path)
