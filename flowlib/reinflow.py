@@ -74,6 +74,14 @@ LOG_PROB_OVER = ("chunk", "executed_last", "executed")
 #               ~0.002 per dim.  Under Adam the gradient's scale does not matter, only this trust region.
 LOG_PROB_REDUCE = ("sum", "mean", "mean_dim")
 
+# What RL moves: the velocity net through the noisy chain (ReinFlow), x_0 (flowlib.latent), a correction of the
+# executed actions per decision (flowlib.residual) or per env step from the current observation (flowlib.residual_step)
+STEER = ("chain", "latent", "residual", "residual_step")
+RESIDUAL_PER = ("action", "chunk")  # steer "residual": one correction per executed action, or one for the chunk
+# How: PPO; SAC from a replay (steer "latent", flowlib.latent_sac); TD3 from a replay (steer "residual_step",
+# flowlib.residual_step)
+LEARNERS = ("ppo", "sac", "td3")
+
 
 # --------------------------------------------------------------------------- noise
 
@@ -678,14 +686,6 @@ class ReinFlowConfig:
 
 
 # --------------------------------------------------------------------------- rollouts
-
-
-STEER = ("chain", "latent", "residual", "residual_step")  # what RL moves: the velocity net through the noisy
-    # chain, x_0 (flowlib.latent), a correction of the executed actions per decision (flowlib.residual) or per env
-    # step from the current observation (flowlib.residual_step)
-RESIDUAL_PER = ("action", "chunk")  # steer "residual": one correction per executed action, or one for the chunk
-LEARNERS = ("ppo", "sac", "td3")  # PPO; SAC from a replay (steer "latent", flowlib.latent_sac); TD3 from a replay
-                                  # (steer "residual_step", flowlib.residual_step)
 
 
 @torch.no_grad()
