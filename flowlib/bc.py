@@ -317,7 +317,7 @@ def train(cfg, dataset: ChunkDataset, run_path: Path, tracker=None, env=None,
     ``cfg`` is a ``ShortCutBCConfig`` or any config with its training-loop fields (seed,
     train_steps, batch_size, lr, weight_decay, warmup_steps, ckpt_every, log_every, eval_every,
     num_eval_episodes, val_seed, select_inference_steps, resume).  Stage 2 passes the stage-1 ``policy`` to
-    start from, per-sample ``weights`` (``[N]``, aligned with ``dataset.tensors()``) and ``extra``
+    start from, per-sample ``weights`` (``[N]``, aligned with ``dataset.tensors``) and ``extra``
     entries (the critic) stored in every checkpoint.  Trains on CUDA when present, else on CPU.
 
     With ``cfg.resume`` and an existing ``<run>/last.pt`` of the same settings, training continues
@@ -354,8 +354,8 @@ def train(cfg, dataset: ChunkDataset, run_path: Path, tracker=None, env=None,
         if tracker is not None and hasattr(tracker, "rewind"):
             tracker.rewind(step)  # rows logged after the checkpoint will be logged again
         print(f"resumed from {last} at step {step}")
-    obs_all, act_all = dataset.tensors()  # [N, To, O], [N, H, A] (normalised)
-    obs_all, act_all = obs_all.to(device), act_all.to(device)
+    # [N, To, O], [N, H, A], normalised as the policy normalises (a resumed checkpoint's or stage 1's statistics)
+    obs_all, act_all = dataset.tensors(policy.obs_normalizer, policy.action_normalizer)
     if weights is not None:
         if weights.shape != (len(obs_all),):
             raise ValueError(f"weights must be [{len(obs_all)}] (one per dataset window), got {tuple(weights.shape)}")

@@ -266,17 +266,20 @@ class ChunkDataset(Dataset):
         return obs, actions
 
     @staticmethod
-    def _normalized(normalizer: Normalizer, x: np.ndarray) -> torch.Tensor:
+    def _normalized(normalizer: Normalizer, x: np.ndarray) -> torch.Tensor:  # on the normaliser's device
         with torch.no_grad():
-            return normalizer.normalize(torch.from_numpy(x))
+            return normalizer.normalize(torch.from_numpy(x).to(normalizer.shift.device))
 
     def __getitem__(self, i: int):
         obs, actions = self.window(*self.index[i])
         # [To, O], [H, A]
         return self._normalized(self.obs_normalizer, obs), self._normalized(self.action_normalizer, actions)
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every sample at once, normalised: ``obs [N, To, O]``, ``actions [N, H, A]`` (for fast batching)."""
+    def tensors(self, obs_normalizer: Normalizer | None = None, action_normalizer: Normalizer | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every sample at once, normalised: ``obs [N, To, O]``, ``actions [N, H, A]`` (for fast batching), by the
+        dataset's normalisers or the given ones (a policy's: training normalises as the policy does), on their device."""
         windows = [self.window(e, s) for e, s in self.index]
         obs, actions = np.stack([w[0] for w in windows]), np.stack([w[1] for w in windows])
-        return self._normalized(self.obs_normalizer, obs), self._normalized(self.action_normalizer, actions)
+        return (self._normalized(self.obs_normalizer if obs_normalizer is None else obs_normalizer, obs),
+                self._normalized(self.action_normalizer if action_normalizer is None else action_normalizer, actions))

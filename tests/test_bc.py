@@ -75,6 +75,26 @@ def test_the_policy_and_the_dataset_own_their_normalisers_so_moving_the_policy_m
     torch.testing.assert_close(stage2.obs_normalizer.shift, dataset.obs_normalizer.shift)  # copies, same statistics
 
 
+def test_training_normalises_the_data_as_the_policy_does_not_as_the_dataset_does(tmp_path, monkeypatch):
+    """A resumed run (its checkpoint's statistics) or stage 2 (stage 1's) may hold normalisers other than the ones
+    fitted on the dataset at hand: the flow must see the data as the policy will see observations when it acts."""
+    eps = random_episodes()
+    dataset = ChunkDataset(eps, 2, 16)
+    cfg = tiny_cfg(train_steps=2)
+    policy = bc.build_policy(bc.policy_meta(cfg, dataset, "pd_ee_delta_pos"), dataset.obs_normalizer,
+                             dataset.action_normalizer)
+    policy.obs_normalizer.shift += 1.0                     # the policy's statistics differ from the dataset's
+    seen, loss = [], policy.flow.loss
+    monkeypatch.setattr(policy.flow, "loss", lambda act, obs, weight=None: (seen.append(obs.cpu()), loss(act, obs))[1])
+    bc.train(cfg, dataset, tmp_path, policy=policy)
+    seen = torch.cat(seen).flatten(1)                      # [2 * batch, To * O]
+    as_policy = dataset.tensors(policy.obs_normalizer.cpu(), policy.action_normalizer.cpu())[0].flatten(1)
+    as_dataset = dataset.tensors()[0].flatten(1)
+    exact = "donot_use_mm_for_euclid_dist"
+    assert torch.cdist(seen, as_policy, compute_mode=exact).min(1).values.max() < 1e-5  # each row a policy window
+    assert torch.cdist(seen, as_dataset, compute_mode=exact).min(1).values.min() > 1.0
+
+
 def test_checkpoint_round_trip_gives_the_same_actions(tmp_path):
     cfg = tiny_cfg(train_steps=5)
     policy, _ = bc.train(cfg, ChunkDataset(random_episodes(), 2, 16), tmp_path)
