@@ -14,7 +14,8 @@ Modules (each with one job):
     flow_sde  stochastic denoising steps: score from velocity, Flow-SDE, Flow-CPS, learned noise, hybrid masks
     ppo       the PPO toolkit: GAE / MC / n-step / GRPO advantages, dual clip, Huber value clip, the update
     smdp      action chunks as a semi-MDP: ChunkRunner steps N envs a chunk at a time, with the rewards learning sees
-    reinflow  stage 3: the agent for every noise method, its rollouts (collect), training, checkpoints, benchmarks
+    reinflow_agent  stage 3's agent: the noisy denoising chain as a policy, for every noise method (exact log-probs)
+    reinflow  stage 3: how that agent learns: rollouts (collect), the config, PPO training, checkpoints, benchmarks
     latent    stage 3, steer "latent": PPO on a Gaussian policy over the frozen flow's x_0 (DSRL's idea)
     latent_sac  the same policy over x_0 learned off-policy (DSRL's learner): twin Q, replay, KL to N(0, I)
     residual  stage 3, steer "residual": PPO on a Gaussian correction of the frozen flow's executed actions

@@ -32,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import bc, reinflow
+from .reinflow_agent import ReinFlowAgent
 from .envs import make_env
 from .metrics import paired_means, success_rates
 from .runs import run_dir, save_json, save_text
@@ -92,7 +93,7 @@ def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, 
                   max_episode_steps=max_episode_steps) as env:
         for path, (policy, meta) in tqdm(loaded.items(), desc="checkpoints"):
             bc.check_compatible(meta, env.spec)
-            explores = noisy and isinstance(policy, reinflow.ReinFlowAgent)
+            explores = noisy and isinstance(policy, ReinFlowAgent)
             for ah in horizons:
                 if ah is not None:
                     set_act_horizon(policy, ah)

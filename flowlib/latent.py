@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from .flow_sde import gaussian_entropy, gaussian_log_prob
 from .nets import mlp
-from .reinflow import ReinFlowAgent
+from .reinflow_agent import ReinFlowAgent
 
 
 def refuse_chain_options(kwargs: dict, why: str) -> None:

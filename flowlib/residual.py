@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 
 from .latent import LatentSteeringAgent
-from .reinflow import RESIDUAL_PER, ReinFlowAgent
+from .reinflow import RESIDUAL_PER
+from .reinflow_agent import ReinFlowAgent
 
 
 class ResidualAgent(LatentSteeringAgent):

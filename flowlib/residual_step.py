@@ -48,7 +48,8 @@ from tqdm import tqdm
 from .latent import refuse_chain_options
 from .latent_sac import ReplayBuffer, TwinQ, on_all_cores, resume_with_replay
 from .nets import mlp
-from .reinflow import ReinFlowAgent, ReinFlowConfig, end_iteration, episode_stats, noise_schedule, prepare_run
+from .reinflow import ReinFlowConfig, end_iteration, episode_stats, noise_schedule, prepare_run
+from .reinflow_agent import ReinFlowAgent
 from .smdp import ChunkRunner
 
 

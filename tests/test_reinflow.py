@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from flowlib import bc, evaluate, reinflow, smdp
+from flowlib import bc, evaluate, reinflow, reinflow_agent, smdp
 from flowlib.config import ConfigError
 from flowlib.data import ChunkDataset, Episode
 from flowlib.envs import make_env
@@ -40,7 +40,7 @@ def tiny_policy(seed=0):
 
 def tiny_agent(K=4, include_initial_noise=False, log_prob_over="chunk", act_horizon=None, log_prob_reduce="sum"):
     policy, dataset = tiny_policy()
-    agent = reinflow.ReinFlowAgent(policy, K, min_noise_std=0.05, max_noise_std=0.3, value_hidden_dims=(16,),
+    agent = reinflow_agent.ReinFlowAgent(policy, K, min_noise_std=0.05, max_noise_std=0.3, value_hidden_dims=(16,),
                                    include_initial_noise=include_initial_noise, noise_hidden=16,
                                    log_prob_over=log_prob_over, act_horizon=act_horizon, log_prob_reduce=log_prob_reduce)
     obs = torch.stack([dataset[i][0] for i in range(5)])  # normalised windows; any raw values will do
@@ -110,7 +110,7 @@ def test_mean_dim_divides_the_joint_log_prob_by_the_dims_it_scores(log_prob_over
 def test_chunk_correlated_noise_is_drawn_and_scored_as_one_multivariate_normal(log_prob_over):
     policy, dataset = tiny_policy()
     rho = 0.8
-    agent = reinflow.ReinFlowAgent(policy, 2, min_noise_std=0.05, max_noise_std=0.3, value_hidden_dims=(16,),
+    agent = reinflow_agent.ReinFlowAgent(policy, 2, min_noise_std=0.05, max_noise_std=0.3, value_hidden_dims=(16,),
                                    noise_hidden=16, log_prob_over=log_prob_over, noise_corr=rho)
     obs = torch.stack([dataset[i][0] for i in range(5)])
     chain, log_prob = agent.sample(obs, torch.Generator().manual_seed(2))
@@ -301,9 +301,9 @@ def test_chain_of_wrong_shape_is_rejected():
     with pytest.raises(ValueError, match=r"chain must be \[B, 5, 16, 4\]"):
         agent.log_prob(obs, torch.zeros(5, 9, 16, ACT_DIM))
     with pytest.raises(ValueError, match="max_steps"):
-        reinflow.ReinFlowAgent(tiny_policy()[0], num_inference_steps=16)  # ShortCut trained for 8
+        reinflow_agent.ReinFlowAgent(tiny_policy()[0], num_inference_steps=16)  # ShortCut trained for 8
     with pytest.raises(ValueError, match=r"act_horizon=16 is outside \[1, 15\]"):
-        reinflow.ReinFlowAgent(tiny_policy()[0], num_inference_steps=4, act_horizon=16)  # H 16 - To 2 + 1
+        reinflow_agent.ReinFlowAgent(tiny_policy()[0], num_inference_steps=4, act_horizon=16)  # H 16 - To 2 + 1
 
 
 PIRL = {"noise_method": "flow_sde", "hybrid": True, "advantage": "grpo", "ratio_mode": "per_step",
