@@ -181,7 +181,7 @@ def test_rescoring_on_another_time_grid_is_caught_by_the_ratio_check(monkeypatch
     reinflow.ppo_update(agent, batch, opt_a, opt_c, cfg)  # same grid: ratio == 1, no error
     batch = fake_batch(agent, obs)
     shifted = lambda K, device=None: torch.linspace(0, 1 - 1 / K, K + 1, device=device)  # the public bug
-    monkeypatch.setattr(reinflow, "time_grid", shifted)
+    monkeypatch.setattr(reinflow_agent, "time_grid", shifted)
     with pytest.raises(RuntimeError, match="ratio .* before any update"):
         reinflow.ppo_update(agent, batch, opt_a, opt_c, cfg)
 
