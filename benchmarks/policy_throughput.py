@@ -48,7 +48,8 @@ def _median_s(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(agent: reinflow_agent.ReinFlowAgent, batch: int, device: torch.device, repeats: int = 5, seed: int = 0) -> dict:
+def measure(agent: reinflow_agent.ReinFlowAgent, batch: int, device: torch.device, repeats: int = 5,
+            seed: int = 0) -> dict:
     """One row: sample + value and re-score + backward times for ``batch`` observations on ``device``."""
     gen = torch.Generator().manual_seed(seed)
     obs = torch.randn(batch, agent.obs_horizon, agent.obs_dim, generator=gen).to(device)  # [B, To, O]

@@ -30,7 +30,7 @@ def pirl_transition(method, x, v, t, dt, a):
 def agent_for(method, K=4, hybrid=False, **kw):
     policy, dataset = tiny_policy()
     agent = reinflow_agent.ReinFlowAgent(policy, K, min_noise_std=0.05, max_noise_std=0.3, value_hidden_dims=(16,),
-                                   noise_hidden=16, noise_method=method, noise_level=0.7, hybrid=hybrid, **kw)
+                                         noise_hidden=16, noise_method=method, noise_level=0.7, hybrid=hybrid, **kw)
     obs = torch.stack([dataset[i][0] for i in range(6)])
     return agent, obs
 

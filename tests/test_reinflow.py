@@ -41,8 +41,9 @@ def tiny_policy(seed=0):
 def tiny_agent(K=4, include_initial_noise=False, log_prob_over="chunk", act_horizon=None, log_prob_reduce="sum"):
     policy, dataset = tiny_policy()
     agent = reinflow_agent.ReinFlowAgent(policy, K, min_noise_std=0.05, max_noise_std=0.3, value_hidden_dims=(16,),
-                                   include_initial_noise=include_initial_noise, noise_hidden=16,
-                                   log_prob_over=log_prob_over, act_horizon=act_horizon, log_prob_reduce=log_prob_reduce)
+                                         include_initial_noise=include_initial_noise, noise_hidden=16,
+                                         log_prob_over=log_prob_over, act_horizon=act_horizon,
+                                         log_prob_reduce=log_prob_reduce)
     obs = torch.stack([dataset[i][0] for i in range(5)])  # normalised windows; any raw values will do
     return agent, obs
 
@@ -111,7 +112,7 @@ def test_chunk_correlated_noise_is_drawn_and_scored_as_one_multivariate_normal(l
     policy, dataset = tiny_policy()
     rho = 0.8
     agent = reinflow_agent.ReinFlowAgent(policy, 2, min_noise_std=0.05, max_noise_std=0.3, value_hidden_dims=(16,),
-                                   noise_hidden=16, log_prob_over=log_prob_over, noise_corr=rho)
+                                         noise_hidden=16, log_prob_over=log_prob_over, noise_corr=rho)
     obs = torch.stack([dataset[i][0] for i in range(5)])
     chain, log_prob = agent.sample(obs, torch.Generator().manual_seed(2))
     o = agent.obs_normalizer.normalize(obs)
