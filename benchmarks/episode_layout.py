@@ -1,6 +1,6 @@
 """Where on the table PickCube episodes fail: an evaluation's results split by the cube's start and the goal's height.
 
-A diagnostic for stage 3 (README, "The misses are one half of the table"): ``flowlib.evaluate`` writes, per env
+A diagnostic for stage 3 (docs/stage3.md, "The misses are one half of the table"): ``flowlib.evaluate`` writes, per env
 seed, each policy's success and task flags (``outputs/evaluate/<name>/per_episode.csv``, ``per_episode_flags.csv``).
 This script resets PickCube-v1 with the same seeds through the same env (``flowlib.envs.make_env``, as
 ``flowlib.bc.evaluate`` does) and reads the layout from the reset observation: the cube's start (x, y) and the

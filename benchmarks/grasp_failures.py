@@ -1,7 +1,7 @@
 """Where PickCube episodes go wrong: the gripper's offset from the cube when it closes (episodes that never grasp),
 and how the carry ends (episodes that grasp and never place the cube: slipped, dropped, or held off the goal).
 
-A diagnostic for stage 3 (README, "The dense reward holds the success; neither reward moves the grasp"): the
+A diagnostic for stage 3 (docs/stage3.md, "The dense reward holds the success; neither reward moves the grasp"): the
 per-step residual lifts the carry but leaves the grasp rate where stage 1 had it.  Each checkpoint (stage-1/2
 ``best_model.pt`` or a stage-3 ``last.pt``) runs the same episodes (``--seed``..) through ``flowlib.bc.evaluate``
 with the rollouts recorded; for every episode it reads, from the state observations and the executed actions:

@@ -1,7 +1,7 @@
 """Steering a frozen flow policy through its initial noise: PPO on ``x_0`` (DSRL's idea, Wagenmaker et al. 2025).
 
 ReinFlow moves the velocity net's weights along the score of a ``K x H x A``-dim chain whose noise is small
-(std 0.05-0.2), so its policy gradient is mostly noise on a CPU-sized batch (README, stage 3). DSRL keeps the
+(std 0.05-0.2), so its policy gradient is mostly noise on a CPU-sized batch (docs/stage3.md). DSRL keeps the
 flow's weights as stage 1/2 left them and learns where the chain starts. Here the latent policy is Gaussian,
 
     x_0 ~ pi_phi(. | o) = N(mu_phi(o), sigma^2 I),      mu_phi(o) = b tanh(f_phi(o)),      [H, A]

@@ -40,7 +40,7 @@ from .nets import SinusoidalEmbedding, mlp
 #                    mean given the rest, and dropping it only removes variance.
 #   "executed":      the executed actions at every step.  Biased: at an intermediate step the U-Net feeds the
 #                    non-executed dims of x_k into the next step's executed dims, so how theta moves them is
-#                    part of the gradient, and this drops it.  Kept because the README's early stage-3 runs
+#                    part of the gradient, and this drops it.  Kept because the early stage-3 runs of docs/stage3.md
 #                    (params/03_reinflow/cpu*.yaml) used it.
 LOG_PROB_OVER = ("chunk", "executed_last", "executed")
 

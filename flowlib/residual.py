@@ -19,7 +19,7 @@ environment's as far as ``phi`` is concerned (it does not depend on ``phi``), so
 re-scoring a decision is one MLP call.  ``f_phi``'s last layer starts at 0, so at the start ``mu = 0`` and the
 deterministic policy is the stage-1 policy exactly (its own ``x_0 ~ N(0, I)``: evaluation draws it, as stage 1's
 does); the noisy one adds ``sigma ~ 0.95 max_noise_std`` per dim.  Failures that end a few centimetres from
-the goal (README, stage 3) are what the correction can reach directly; the base keeps the rest of the skill.
+the goal (docs/stage3.md) are what the correction can reach directly; the base keeps the rest of the skill.
 
 The stored chain keeps the format of the other agents, ``[B, K+1, H, A]``: step 0 holds the residual ``r``
 in the first executed rows (zeros elsewhere) in place of ``x_0``, as ``flowlib.latent`` holds its drawn ``x_0``

@@ -27,7 +27,7 @@ warm-up's included (a target left at its random start would be what the warm-up 
 step the deterministic policy is the stage-1 policy exactly, episode for episode.
 
 Why per step: in 200 held-out PickCube episodes the stage-1 policy grasps the cube 0.90 of the time but places it
-0.58, hovering a few centimetres from the goal (README, stage 3).  A hand-written per-step correction,
+0.58, hovering a few centimetres from the goal (docs/stage3.md).  A hand-written per-step correction,
 ``0.3 obj_to_goal / 0.1 m`` while grasped, lifts it to 0.88 on the same episodes: what the base lacks is a
 closed-loop last few centimetres, which a once-per-chunk correction cannot provide.
 
@@ -307,7 +307,7 @@ def actor_lr(cfg: ReinFlowConfig, env_steps: int) -> float:
     """The actor's learning rate for the updates after ``env_steps`` env steps: ``actor_lr`` ramped linearly from 0
     over the ``actor_lr_warmup_steps`` env steps past ``critic_warmup_steps`` (a learning-rate warm-up as in Goyal
     et al. 2017, here of the actor alone): the first actor steps follow a critic fitted to the stage-1 policy's
-    data only, and at full rate they move ``r`` to the bound's half within one iteration.  Measured (README, stage 3):
+    data only, and at full rate they move ``r`` to the bound's half within one iteration.  Measured (docs/stage3.md):
     the ramp shortens the dip that follows and ends on the same plateau."""
     if cfg.actor_lr_warmup_steps <= 0:
         return cfg.actor_lr

@@ -55,7 +55,7 @@ class ChunkRunner:
     not the grasp's ``(reach + 1 + place) / 5`` (``_grasped``); ``place_weight`` ``w_p`` adds
     ``w_p (1 - tanh(k |goal - cube|))`` (``k`` = ``place_sharpness``) while the grasp counts (or at success), likewise:
     the dense reward's place term, ``(1 - tanh(5 d)) / 5``, pays ~0.01 per step for a centimetre, too little for the
-    critic to tell a cube held 3 cm above the goal from one brought down into it (README, stage 3); at ``k = 20`` the
+    critic to tell a cube held 3 cm above the goal from one brought down into it (docs/stage3.md); at ``k = 20`` the
     last centimetres pay ~0.1-0.2 each.
     """
 

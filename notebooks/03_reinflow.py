@@ -88,7 +88,7 @@
 # before success, gets none of it. With `"dense"`, $Q = \mathbb{E}\sum_t \gamma^t \phi(s_{t+1})$ keeps a
 # $1/(1-\gamma)$-step look-ahead at $\phi$, and success (1 per step) is worth staying in.
 # (Dense returns can rise while success falls: carrying the cube near the goal without succeeding earns
-# 0.5-0.8 per step against success's 1, and a fine-tuned policy learned just that; see the README.)
+# 0.5-0.8 per step against success's 1, and a fine-tuned policy learned just that; see docs/stage3.md.)
 # `success_bonus` $B$ (dense only) adds $B$ per solved step to what learning sees, so success earns $1 + B$.
 # `reach_weight` $w$ (PickCube) adds $w \cdot \mathrm{reach}(s')$, ManiSkill's reaching term
 # $1 - \tanh(5\,\lVert p_{\rm cube} - p_{\rm gripper}\rVert)$ (1 once grasped), to the dense reward or to the
@@ -414,7 +414,7 @@ print(f"success_once {before['success_once']:.2f} -> {after['success_once']:.2f}
 # $m \gtrsim s / |\mu|^2$.
 #
 # `benchmarks/gradient_snr.py` measures this on a fine-tuned checkpoint. For the velocity net on 2 cores
-# (README, stage-3 results), no sampling setting shows a signal beyond 2 standard errors in 8k-33k decisions: a
+# (docs/stage3.md), no sampling setting shows a signal beyond 2 standard errors in 8k-33k decisions: a
 # 256-decision iteration has a cosine of at most ~0.01-0.02 with the expected gradient, and half-clear updates need
 # more than 15k-28k decisions each. The noise $s$ falls as $1/\sigma^2$ with the exploration std $\sigma$, since each
 # score term carries $\varepsilon / \sigma$.
