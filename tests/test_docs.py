@@ -40,8 +40,8 @@ def broken_links(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(REPO_ROOT)))
 def test_relative_links_reach_a_file_and_a_heading(path):
-    assert not broken_links(path), f"{path.name} has broken links (rename the heading or fix the link): " \
-                                   f"{broken_links(path)}"
+    broken = broken_links(path)
+    assert not broken, f"{path.name} has broken links (fix the link or the heading it names): {broken}"
 
 
 def test_a_renamed_heading_is_caught(tmp_path):
