@@ -23,7 +23,7 @@ Modules (each with one job):
     pirl      notebook 04's study: 2D marginal and log-prob tables, the noise-method comparison
     evaluate  `python -m flowlib.evaluate`: checkpoints on the same fresh episodes, differences paired per episode
     sweep     `python -m flowlib.sweep run|monitor`: notebook x params folder x seeds; the sweep report
-    config    typed, validated parameters (unknown keys and wrong types rejected)
+    config    typed, validated parameters (unknown keys, wrong types, out-of-range and NaN values rejected)
     runs      run folders under outputs/, atomic writes
     tracking  metrics to files, optionally W&B (offline by default)
     run       `python -m flowlib.run NOTEBOOK --params FILE`: papermill runner

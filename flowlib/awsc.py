@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from . import bc
-from .config import require
+from .config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields, require
 from .critic import ChunkCritic, ChunkTransitions, critic_from_state
 from .data import Episode, demo_dir, load_demos, save_episodes
 from .runs import policy_checkpoint
@@ -45,65 +45,64 @@ ROLLOUT_SEED = 1_000_000  # env seeds of the stage-1 rollouts start here (demos 
 class AWShortCutConfig:
     """Parameters of notebook 02 (AW-ShortCut). Defaults are the small CPU run."""
 
-    seed: int = 0
+    seed: NonNegativeInt = 0
     stage1_checkpoint: str = ""         # relative to outputs/; "" = 01_shortcut_bc/default/best_model.pt
     env_id: str = "PickCube-v1"
-    num_demos: int = 20
+    num_demos: PositiveInt = 20
     demo_file: str = ""
     # data with contrast: stage-1 rollouts per exploration-noise level (std of N(0, s^2) on actions in [-1, 1])
-    rollout_episodes: int = 6
-    rollout_noise_stds: list[float] = field(default_factory=lambda: [0.0, 0.3])
-    rollout_inference_steps: int = 4
+    rollout_episodes: PositiveInt = 6
+    rollout_noise_stds: list[NonNegativeFloat] = field(default_factory=lambda: [0.0, 0.3])
+    rollout_inference_steps: PositiveInt = 4
     # critic
     critic: str = "iql"                 # "iql" or "mc"
     reward: str = "sparse"              # "sparse" (success) or "dense" (normalized_dense)
-    gamma: float = 0.99
-    expectile: float = 0.7
-    target_polyak: float = 0.005
-    critic_hidden_dims: list[int] = field(default_factory=lambda: [128, 128])
-    critic_lr: float = 3e-4
-    critic_steps: int = 1000
-    critic_batch_size: int = 256
-    holdout_fraction: float = 0.25
+    gamma: Fraction = 0.99
+    expectile: Fraction = 0.7
+    target_polyak: Fraction = 0.005
+    critic_hidden_dims: list[PositiveInt] = field(default_factory=lambda: [128, 128])
+    critic_lr: PositiveFloat = 3e-4
+    critic_steps: PositiveInt = 1000
+    critic_batch_size: PositiveInt = 256
+    holdout_fraction: Fraction = 0.25
     # advantage weights
-    beta: float = 5.0
-    max_weight: float = 20.0
+    beta: PositiveFloat = 5.0
+    max_weight: PositiveFloat = 20.0
     weighting: str = "exp"              # "exp" (clipped) or "softmax" (per batch of the whole dataset)
     # AW-ShortCut training (one run per training seed)
-    train_seeds: list[int] = field(default_factory=lambda: [0])
-    train_steps: int = 200
-    batch_size: int = 128
-    lr: float = 3e-4
-    weight_decay: float = 1e-6
-    warmup_steps: int = 20
-    ckpt_every: int = 100
-    log_every: int = 25
-    eval_every: int = 0
-    select_inference_steps: int = 4
-    eval_inference_steps: list[int] = field(default_factory=lambda: [4])
-    num_eval_episodes: int = 4
-    val_seed: int = 10_000              # periodic evaluations (best_model.pt); as in notebook 01
-    eval_seed: int = 20_000             # the stage-1 vs stage-2 comparison; held out from demos and rollouts
-    num_envs: int = 2
-    max_episode_steps: int = 100
+    train_seeds: list[NonNegativeInt] = field(default_factory=lambda: [0])
+    train_steps: PositiveInt = 200
+    batch_size: PositiveInt = 128
+    lr: PositiveFloat = 3e-4
+    weight_decay: NonNegativeFloat = 1e-6
+    warmup_steps: NonNegativeInt = 20
+    ckpt_every: PositiveInt = 100
+    log_every: PositiveInt = 25
+    eval_every: NonNegativeInt = 0
+    select_inference_steps: PositiveInt = 4
+    eval_inference_steps: list[PositiveInt] = field(default_factory=lambda: [4])
+    num_eval_episodes: PositiveInt = 4
+    val_seed: NonNegativeInt = 10_000   # periodic evaluations (best_model.pt); as in notebook 01
+    eval_seed: NonNegativeInt = 20_000  # the stage-1 vs stage-2 comparison; held out from demos and rollouts
+    num_envs: PositiveInt = 2
+    max_episode_steps: PositiveInt = 100
     backend: str = "auto"
-    num_threads: int = 1
+    num_threads: NonNegativeInt = 1
     resume: bool = True
     run_name: str = "default"
     wandb_mode: str = "disabled"
 
     def __post_init__(self):
+        check_fields(self)
         require([
             (self.critic in ("iql", "mc"), f"critic must be 'iql' or 'mc', got {self.critic!r}"),
             (self.reward in ("sparse", "dense"), f"reward must be 'sparse' or 'dense', got {self.reward!r}"),
             (self.weighting in ("exp", "softmax"), f"weighting must be 'exp' or 'softmax', got {self.weighting!r}"),
             (0 < self.expectile < 1, f"expectile must be in (0, 1), got {self.expectile}"),
-            (0 < self.gamma <= 1, f"gamma must be in (0, 1], got {self.gamma}"),
-            (self.beta > 0 and self.max_weight > 0, "beta and max_weight must be > 0"),
-            (0 <= self.holdout_fraction < 1, f"holdout_fraction must be in [0, 1), got {self.holdout_fraction}"),
+            (self.gamma > 0, f"gamma must be in (0, 1], got {self.gamma}"),
+            (self.holdout_fraction < 1, f"holdout_fraction must be in [0, 1), got {self.holdout_fraction}"),
             (len(self.train_seeds) > 0, "train_seeds must list at least one seed"),
-            (all(s >= 0 for s in self.rollout_noise_stds), "rollout_noise_stds must be >= 0"),
-            (0 < self.rollout_episodes <= 100_000, "rollout_episodes must be in [1, 100000] (seed blocks of 100000)"),
+            (self.rollout_episodes <= 100_000, "rollout_episodes must be <= 100000 (seed blocks of 100000)"),
         ])
 
 

@@ -26,9 +26,10 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
+from .config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields
 from .data import ChunkDataset, Episode, Normalizer
 from .flows import ShortCut
-from .runs import rng_state, save_torch, set_rng_state
+from .runs import load_torch, rng_state, save_torch, set_rng_state
 from .unet import ShortCutVelocityUNet1D
 
 CHECKPOINT_FORMAT = "flowlib.shortcut_bc/1"
@@ -49,40 +50,41 @@ def check_act_horizon(act_horizon: int, obs_horizon: int, pred_horizon: int) -> 
 class ShortCutBCConfig:
     """Parameters of notebook 01 (ShortCut BC). Defaults are the small CPU run."""
 
-    seed: int = 0
+    seed: NonNegativeInt = 0
     env_id: str = "PickCube-v1"
-    num_demos: int = 20
+    num_demos: PositiveInt = 20
     demo_file: str = ""                 # an existing ManiSkill .h5 (state, pd_ee_delta_pos); "" = generate
-    obs_horizon: int = 2
-    pred_horizon: int = 16
-    act_horizon: int = 8
-    down_dims: list[int] = field(default_factory=lambda: [32, 64])
-    emb_dim: int = 32
-    shortcut_max_steps: int = 8         # d_min = 1 / shortcut_max_steps
-    bootstrap_fraction: float = 0.25
-    ema_decay: float = 0.995
-    train_steps: int = 300
-    batch_size: int = 128
-    lr: float = 1e-3
-    weight_decay: float = 1e-6
-    warmup_steps: int = 50
-    ckpt_every: int = 100
-    log_every: int = 25
-    eval_every: int = 0                 # 0: evaluate only at the end
-    select_inference_steps: int = 4     # K whose success_once picks best_model.pt
-    eval_inference_steps: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
-    num_eval_episodes: int = 4
-    val_seed: int = 10_000              # env seeds of the periodic evaluations that pick best_model.pt
-    eval_seed: int = 20_000             # env seeds of the final report (demos use seeds from 0: keep these apart)
-    num_envs: int = 2
-    max_episode_steps: int = 100
+    obs_horizon: PositiveInt = 2
+    pred_horizon: PositiveInt = 16
+    act_horizon: PositiveInt = 8
+    down_dims: list[PositiveInt] = field(default_factory=lambda: [32, 64])
+    emb_dim: PositiveInt = 32
+    shortcut_max_steps: PositiveInt = 8  # d_min = 1 / shortcut_max_steps
+    bootstrap_fraction: Fraction = 0.25
+    ema_decay: Fraction = 0.995
+    train_steps: PositiveInt = 300
+    batch_size: PositiveInt = 128
+    lr: PositiveFloat = 1e-3
+    weight_decay: NonNegativeFloat = 1e-6
+    warmup_steps: NonNegativeInt = 50
+    ckpt_every: PositiveInt = 100
+    log_every: PositiveInt = 25
+    eval_every: NonNegativeInt = 0      # 0: evaluate only at the end
+    select_inference_steps: PositiveInt = 4  # K whose success_once picks best_model.pt
+    eval_inference_steps: list[PositiveInt] = field(default_factory=lambda: [1, 2, 4, 8])
+    num_eval_episodes: PositiveInt = 4
+    val_seed: NonNegativeInt = 10_000   # env seeds of the periodic evaluations that pick best_model.pt
+    eval_seed: NonNegativeInt = 20_000  # env seeds of the final report (demos use seeds from 0: keep these apart)
+    num_envs: PositiveInt = 2
+    max_episode_steps: PositiveInt = 100
     backend: str = "auto"
-    num_threads: int = 1                # torch CPU threads; 1 leaves the other cores to the env workers
+    num_threads: NonNegativeInt = 1     # torch CPU threads (0: torch's default); 1 leaves the other cores to the envs
     resume: bool = True
     run_name: str = "default"
     wandb_mode: str = "disabled"
 
     def __post_init__(self):
+        check_fields(self)
         check_act_horizon(self.act_horizon, self.obs_horizon, self.pred_horizon)
         for k in [*self.eval_inference_steps, self.select_inference_steps]:
             if k > self.shortcut_max_steps or self.shortcut_max_steps % k:
@@ -172,11 +174,7 @@ def save_checkpoint(path: Path, policy: FlowPolicy, optimizer, scheduler, step: 
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} not found: train one with notebook 01 "
-                                "(python -m flowlib.run 01_shortcut_bc) or check the run folder")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = load_torch(path, "train one with notebook 01 (python -m flowlib.run 01_shortcut_bc) or check the run folder")
     if not isinstance(ckpt, dict) or ckpt.get("format") not in POLICY_FORMATS:
         raise ValueError(f"{path} is not a flowlib flow-policy checkpoint (formats {POLICY_FORMATS})")
     return ckpt

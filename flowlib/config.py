@@ -2,22 +2,31 @@
 
 Each notebook's parameters are one dataclass.  Values come from three places, in this order:
 the dataclass defaults (= the notebook's ``parameters`` cell), a YAML file under ``params/``,
-and papermill's ``-p`` overrides.  Whatever the source, an unknown key or a value of the wrong
-type stops the run with a message naming the key and the allowed ones.
+and papermill's ``-p`` overrides.  Whatever the source, an unknown key, a value of the wrong
+type, out of its field's range (``num_envs: PositiveInt``) or not finite (NaN, inf), or one that
+fails a check across fields (the dataclass's ``__post_init__``) stops the run with a
+``ConfigError`` naming the key and what to do.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import re
 import typing
 from pathlib import Path
-from typing import Any, Mapping, TypeVar
+from typing import Annotated, Any, Mapping, TypeVar
 
 import yaml
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt  # noqa: F401 (re-exported)
 
 T = TypeVar("T")
+
+# Field types with a range, checked by ``validate`` (pydantic's constrained types; PositiveInt is > 0, ...).
+Fraction = Annotated[float, Field(ge=0, le=1)]   # a share, probability or decay rate in [0, 1]
+_FINITE = ConfigDict(allow_inf_nan=False)        # NaN or inf is never a parameter
+_BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
 
 # Names IPython puts in a notebook's globals that are plain values, not parameters.
 _IPYTHON_NAMES = {"In", "Out", "exit", "quit", "get_ipython"}
@@ -33,7 +42,8 @@ def field_names(cls) -> list[str]:
 
 
 def validate(cls: type[T], values: Mapping[str, Any], source: str = "parameters") -> T:
-    """Build ``cls`` from ``values``; reject unknown keys and wrong types with a clear message."""
+    """Build ``cls`` from ``values``; reject unknown keys, wrong types, values out of range or not finite,
+    and failed cross-field checks, each with a message naming the key (``ConfigError``)."""
     allowed = field_names(cls)
     unknown = [k for k in values if k not in allowed]
     if unknown:
@@ -45,22 +55,56 @@ def validate(cls: type[T], values: Mapping[str, Any], source: str = "parameters"
             f"{source}: unknown parameter {', '.join(hints)} for {cls.__name__}. "
             f"Allowed keys: {', '.join(allowed)}. Fix the key or remove it."
         )
-    # Strict per field: no silent casts ("3" is not an int, 1.5 is not an int); ints pass as floats.
-    hints = typing.get_type_hints(cls)
-    problems, clean = [], {}
-    for key, value in values.items():
-        try:
-            clean[key] = TypeAdapter(hints[key]).validate_python(value, strict=True)
-        except ValidationError as err:
-            msg = err.errors()[0]["msg"]
-            problems.append(f"{key!r} = {value!r} ({msg}; expected {_type_name(hints[key])})")
+    clean, problems = _checked(cls, values)
     if problems:
-        raise ConfigError(f"{source}: wrong type for {cls.__name__}: " + "; ".join(problems))
-    return cls(**clean)
+        raise ConfigError(f"{source}: bad value for {cls.__name__}: " + "; ".join(problems))
+    try:
+        return cls(**clean)
+    except ValueError as err:  # a check across fields, in the dataclass's __post_init__
+        raise ConfigError(f"{source}: {err}") from err
+
+
+def check_fields(cfg) -> None:
+    """For ``__post_init__``: every field of its type, in its range and finite, also for a config built in
+    code (``ReinFlowConfig(num_envs=0)``, ``dataclasses.replace``), not only for one read by ``validate``."""
+    _, problems = _checked(type(cfg), {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+    if problems:
+        raise ConfigError(f"bad value for {type(cfg).__name__}: " + "; ".join(problems))
+
+
+def _checked(cls, values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``values`` as ``cls``'s field types parse them, and one problem per value that does not fit.
+    Strict: no silent casts ("3" is not an int, 1.5 is not an int); ints pass as floats."""
+    clean, problems = {}, []
+    for key, value in values.items():
+        adapter, hint = _adapter(cls, key)
+        try:
+            clean[key] = adapter.validate_python(value, strict=True)
+        except ValidationError as err:
+            first = err.errors()[0]  # "Input should be greater than 0", at loc (1,) of a list
+            item = "".join(f"[{i!r}]" for i in first["loc"])
+            should = first["msg"].replace("Input should", "should", 1)
+            problems.append(f"{key!r}{item} = {first['input']!r}: {should} (expected {_type_name(hint)})")
+    return clean, problems
+
+
+@functools.cache
+def _adapter(cls, key: str):
+    hint = typing.get_type_hints(cls, include_extras=True)[key]
+    return TypeAdapter(hint, config=_FINITE), hint
 
 
 def _type_name(tp) -> str:
-    return getattr(tp, "__name__", None) if isinstance(tp, type) else str(tp).replace("typing.", "")
+    """The expected type as a reader writes it: ``int``, ``int > 0``, ``list of float >= 0, <= 1``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Annotated:
+        base, *meta = args
+        constraints = [c for m in meta for c in getattr(m, "metadata", [m])]  # a pydantic Field holds its own
+        bounds = [f"{op} {getattr(c, name)}" for c in constraints for name, op in _BOUNDS if hasattr(c, name)]
+        return " ".join([_type_name(base), ", ".join(bounds)]).strip()
+    if origin is list:
+        return f"list of {_type_name(args[0])}"
+    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
 
 
 class _Loader(yaml.SafeLoader):

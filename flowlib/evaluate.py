@@ -35,16 +35,13 @@ from . import bc, reinflow
 from .reinflow_agent import ReinFlowAgent
 from .envs import make_env
 from .metrics import paired_means, success_rates
-from .runs import run_dir, save_json, save_text
+from .runs import load_torch, run_dir, save_json, save_text
 
 
 def load_checkpoint_policy(path: str | Path, noisy: bool = False):
     """The policy in a stage-1/2 flow-policy or stage-3 ReinFlow checkpoint, in eval mode, and its metadata.
     With ``noisy`` a stage-3 agent carries the exploration noise its run had at the checkpoint's env steps."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} not found: pass the best_model.pt / last.pt of a finished run")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = load_torch(path, "pass the best_model.pt / last.pt of a finished run")
     fmt = ckpt.get("format") if isinstance(ckpt, dict) else None
     if fmt == reinflow.CHECKPOINT_FORMAT:
         agent = reinflow.load_for_rollouts(path)[2] if noisy else reinflow.load_agent(path)

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from . import bc, flow_sde, reinflow
-from .config import ConfigError, require, validate
+from .config import ConfigError, NonNegativeFloat, NonNegativeInt, PositiveInt, check_fields, require, validate
 from .metrics import sliced_wasserstein
-from .runs import read_metrics, save_json
+from .runs import policy_checkpoint, read_metrics, save_json
 from .tracking import Tracker
 
 # the comparison's variants: name -> ReinFlowConfig overrides
@@ -37,33 +37,32 @@ class FlowSDEConfig:
     """Parameters of notebook 04.  Defaults are the small CPU run (minutes); ``params/04_flow_sde/cpu.yaml``
     is the comparison reported in the README."""
 
-    seed: int = 0
+    seed: NonNegativeInt = 0
     # 2D: the SDE family against the ODE
-    noise_levels: list[float] = field(default_factory=lambda: [0.2, 0.5, 1.0])
-    marginal_steps: int = 100              # K of the marginal check
-    marginal_samples: int = 4000
-    logprob_steps: list[int] = field(default_factory=lambda: [2, 4, 8, 16, 32])
-    reflow_train_steps: int = 1500         # the trained 2D model (notebook 00's ReFlow on two_moons)
+    noise_levels: list[NonNegativeFloat] = field(default_factory=lambda: [0.2, 0.5, 1.0])
+    marginal_steps: PositiveInt = 100      # K of the marginal check
+    marginal_samples: PositiveInt = 4000
+    logprob_steps: list[PositiveInt] = field(default_factory=lambda: [2, 4, 8, 16, 32])
+    reflow_train_steps: PositiveInt = 1500  # the trained 2D model (notebook 00's ReFlow on two_moons)
     # PickCube: noise methods at an equal env-step budget
     init_checkpoint: str = ""              # stage-1/2 best_model.pt under outputs/; "" = 01_shortcut_bc/default
     methods: list[str] = field(default_factory=lambda: ["reinflow", "flow_noise", "flow_sde", "flow_sde+hybrid"])
-    seeds: list[int] = field(default_factory=lambda: [0])
+    seeds: list[NonNegativeInt] = field(default_factory=lambda: [0])
     finetune: dict = field(default_factory=lambda: {
         "num_envs": 2, "num_inference_steps": 4, "total_env_steps": 256, "rollout_steps": 8, "update_epochs": 2,
         "minibatch_size": 16, "critic_warmup_steps": 0, "eval_every": 0, "num_eval_episodes": 4,
         "max_episode_steps": 100, "value_hidden_dims": [64, 64]})
-    num_threads: int = 1
+    num_threads: NonNegativeInt = 1
     resume: bool = True
     run_name: str = "default"
     wandb_mode: str = "disabled"
 
     def __post_init__(self):
+        check_fields(self)
         unknown = [m for m in self.methods if m not in VARIANTS]
         require([
             (not unknown, f"unknown methods {unknown}; choose from {sorted(VARIANTS)}"),
             (bool(self.methods) and bool(self.seeds), "methods and seeds must not be empty"),
-            (all(a >= 0 for a in self.noise_levels), "noise_levels must be >= 0"),
-            (self.marginal_steps >= 1 and all(k >= 1 for k in self.logprob_steps), "step counts must be >= 1"),
         ])
         for key in ("noise_method", "hybrid", "seed", "run_name", "init_checkpoint", "resume", "wandb_mode"):
             if key in self.finetune:
@@ -124,6 +123,11 @@ def log_prob_table(velocity_fn, steps: list[int], noise_levels: list[float], n: 
 
 
 # --------------------------------------------------------------------------- PickCube
+
+
+def init_checkpoint_path(cfg: FlowSDEConfig) -> Path:
+    """The stage-1/2 ``best_model.pt`` the PickCube comparison starts from (``FileNotFoundError`` if missing)."""
+    return policy_checkpoint(cfg.init_checkpoint, "init_checkpoint")
 
 
 def evaluate_start(cfg: FlowSDEConfig, env, run_path: Path) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ConfigError, load_yaml, parse_yaml, validate
-from .runs import REPO_ROOT, run_dir
+from .runs import REPO_ROOT, check_run_name, run_dir
 
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 
@@ -32,17 +32,28 @@ NOTEBOOK_CONFIGS = {
 }
 
 
+# notebook -> the checkpoint it starts from ("module:function", config -> path; FileNotFoundError saying how to make it)
+NOTEBOOK_INPUTS = {
+    "02_aw_shortcut": "flowlib.awsc:stage1_checkpoint_path",
+    "03_reinflow": "flowlib.reinflow:init_checkpoint_path",
+    "04_flow_sde": "flowlib.pirl:init_checkpoint_path",
+}
+
 # notebook -> a check of its parameters against the files they name ("module:function", config -> problem or "")
 NOTEBOOK_PREFLIGHT = {
     "03_reinflow": "flowlib.reinflow:start_problem",
 }
 
 
+def _function(spec: str):
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def config_class(notebook: str):
     if notebook not in NOTEBOOK_CONFIGS:
         raise ConfigError(f"unknown notebook {notebook!r}; choose one of {sorted(NOTEBOOK_CONFIGS)}")
-    module, name = NOTEBOOK_CONFIGS[notebook].split(":")
-    return getattr(importlib.import_module(module), name)
+    return _function(NOTEBOOK_CONFIGS[notebook])
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -64,16 +75,24 @@ def resolve_parameters(notebook: str, params_file: str | None = None, overrides:
         values["run_name"] = run_name
     elif params_file and "run_name" not in values:
         values["run_name"] = Path(params_file).stem
-    validate(config_class(notebook), values, source=params_file or "overrides")
+    cfg = validate(config_class(notebook), values, source=params_file or "overrides")
+    try:
+        check_run_name(cfg.run_name)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     return values
 
 
-def preflight(notebook: str, parameters: dict[str, Any]) -> str:
-    """Why these (valid) parameters cannot run, from the files they name ("" if they can or nobody checks)."""
-    if notebook not in NOTEBOOK_PREFLIGHT:
-        return ""
-    module, name = NOTEBOOK_PREFLIGHT[notebook].split(":")
-    return getattr(importlib.import_module(module), name)(validate(config_class(notebook), parameters))
+def preflight(notebook: str, parameters: dict[str, Any], require_inputs: bool = True) -> str:
+    """Why these (valid) parameters cannot run, from the files they name ("" if they can or nobody checks).
+    ``require_inputs=False`` lets a start checkpoint be missing: a sweep may be planned before stage 1 ran."""
+    cfg = validate(config_class(notebook), parameters)
+    if require_inputs and notebook in NOTEBOOK_INPUTS:
+        try:
+            _function(NOTEBOOK_INPUTS[notebook])(cfg)
+        except FileNotFoundError as err:
+            return str(err)
+    return _function(NOTEBOOK_PREFLIGHT[notebook])(cfg) if notebook in NOTEBOOK_PREFLIGHT else ""
 
 
 def execute(notebook: str, parameters: dict[str, Any], kernel: str = "python3", log_output: bool = False) -> Path:

@@ -22,12 +22,16 @@ def outputs_root() -> Path:
     return Path(os.environ.get("FLOWLIB_OUTPUTS", REPO_ROOT / "outputs"))
 
 
-def run_dir(notebook: str, run_name: str) -> Path:
-    """``outputs/<notebook>/<run_name>/``, created if missing.  A sweep nests its runs one level
-    down (``<sweep>/<job>``); every part must be a plain folder name."""
+def check_run_name(run_name: str) -> None:
+    """A sweep nests its runs one level down (``<sweep>/<job>``); every part must be a plain folder name."""
     parts = run_name.split("/") if run_name else [""]
     if len(parts) > 2 or any(not p or p.startswith(".") or "\\" in p for p in parts):
         raise ValueError(f"run_name must be a plain folder name (or sweep/job), got {run_name!r}")
+
+
+def run_dir(notebook: str, run_name: str) -> Path:
+    """``outputs/<notebook>/<run_name>/``, created if missing (``check_run_name`` says which names are allowed)."""
+    check_run_name(run_name)
     path = outputs_root() / notebook / run_name
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -110,6 +114,22 @@ def save_torch(obj: Any, path: Path) -> Path:
     import torch
 
     return _atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def load_torch(path: Path, missing: str) -> Any:
+    """``torch.load`` (on the CPU) of a file this project wrote, with errors that say what is wrong: ``missing``
+    (how to make the file) when there is none, and the file named when torch cannot read it (not a checkpoint,
+    or cut short by a copy)."""
+    import torch
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} not found: {missing}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # pickle, zip or EOF errors, whichever torch meets first
+        raise ValueError(f"{path} is not a readable torch checkpoint ({type(err).__name__}: {err}); "
+                         "pass a best_model.pt / last.pt that a flowlib run wrote") from err
 
 
 def save_figure(fig, run_path: Path, name: str, dpi: int = 110) -> Path:

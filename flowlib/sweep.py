@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .config import ConfigError, load_yaml
+from .config import ConfigError, Fraction, NonNegativeInt, check_fields, load_yaml
 from .run import config_class, parse_overrides, preflight, resolve_parameters
 from .runs import REPO_ROOT, outputs_root, read_metrics, save_json
 
@@ -47,10 +47,13 @@ class SweepReportConfig:
 
     sweep_dir: str = ""                 # relative to outputs/ (e.g. 03_reinflow/ablations); "" = run the smoke sweep
     smoke_params: str = "params/03_reinflow/smoke"
-    seeds: list[int] = field(default_factory=lambda: [0])
-    success_level: float = 0.9
+    seeds: list[NonNegativeInt] = field(default_factory=lambda: [0])
+    success_level: Fraction = 0.9
     metric: str = "train/success_once"
     run_name: str = "default"
+
+    def __post_init__(self):
+        check_fields(self)
 
 
 @dataclass
@@ -112,7 +115,7 @@ def plan(notebook: str, params_dir: str | Path, seeds: list[int], sweep_name: st
             run_name = f"{sweep}/{name}"
             values = resolve_parameters(notebook, str(f), {**overrides, "seed": s}, run_name)  # a typo stops the plan
             jobs.append(Job(name, str(f), s, run_name, str(outputs_root() / notebook / sweep / name), overrides,
-                            preflight(notebook, values)))
+                            preflight(notebook, values, require_inputs=False)))
     return jobs
 
 
@@ -239,10 +242,11 @@ def load_sweep(sweep_dir: str | Path):
     meta_path = sweep_dir / "sweep.json"
     if not meta_path.is_file():
         raise FileNotFoundError(f"{meta_path} not found: run a sweep first (python -m flowlib.sweep run ...)")
-    curves, finals = [], []
+    curves, finals, failed = [], [], []
     for j in json.loads(meta_path.read_text())["jobs"]:
         job = Job(**j)
         if not job.finished:
+            failed += [job] if job.failed else []
             continue
         variant = Path(job.params_file).stem
         tags = {"job": job.name, "variant": variant, "category": category(variant), "seed": job.seed}
@@ -252,7 +256,11 @@ def load_sweep(sweep_dir: str | Path):
         finals.append({**tags, "before": summary["before"]["success_once"], "after": summary["after"]["success_once"],
                        "train_time_s": summary["train_time_s"], "env_steps": summary["env_steps"]})
     if not finals:
-        raise ValueError(f"{sweep_dir} has no finished job yet: see python -m flowlib.sweep monitor {sweep_dir}")
+        why = ""
+        if failed:  # e.g. every job stopped at a missing start checkpoint: say so, not only "see monitor"
+            first = (Path(failed[0].out_dir) / "error.txt").read_text().strip().splitlines()
+            why = f"; {len(failed)} failed, {failed[0].name} with: {first[-1] if first else '?'}"
+        raise ValueError(f"{sweep_dir} has no finished job yet{why} (see python -m flowlib.sweep monitor {sweep_dir})")
     return pd.DataFrame(curves), pd.DataFrame(finals)
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from .config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields
 from .flows import METHODS, FlowModel, MeanFlow, MeanFlowTimes, ReFlow, ShortCut
 from .nets import ConditionalMLP
 
@@ -76,26 +77,27 @@ def sample_target(name: str, n: int, seed: int | None = None) -> torch.Tensor:
 class Flows2DConfig:
     """Parameters of notebook 00 (2D flows). Defaults are the small CPU run."""
 
-    seed: int = 0
+    seed: NonNegativeInt = 0
     targets: list[str] = field(default_factory=lambda: ["two_moons", "checkerboard"])
     methods: list[str] = field(default_factory=lambda: ["reflow", "meanflow", "shortcut"])
-    train_steps: int = 3000
-    batch_size: int = 256
-    lr: float = 3e-3
-    hidden: int = 128
-    depth: int = 3
-    emb_scale: float = 10.0                 # time-embedding scale (1000 makes MeanFlow's du/dt stiff)
-    ema_decay: float = 0.99                 # also ShortCut's teacher: slower EMAs starve the doubling chain
-    meanflow_share_distinct: float = 0.25   # share of (t, s) pairs with s != t
-    meanflow_adaptive_p: float = 0.5        # adaptive loss weight 1 / (||err||^2 + eps)^p
-    shortcut_bootstrap_fraction: float = 0.25
-    shortcut_max_steps: int = 128
-    eval_steps: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 128])
-    eval_samples: int = 4000
+    train_steps: PositiveInt = 3000
+    batch_size: PositiveInt = 256
+    lr: PositiveFloat = 3e-3
+    hidden: PositiveInt = 128
+    depth: PositiveInt = 3
+    emb_scale: PositiveFloat = 10.0         # time-embedding scale (1000 makes MeanFlow's du/dt stiff)
+    ema_decay: Fraction = 0.99              # also ShortCut's teacher: slower EMAs starve the doubling chain
+    meanflow_share_distinct: Fraction = 0.25  # share of (t, s) pairs with s != t
+    meanflow_adaptive_p: NonNegativeFloat = 0.5  # adaptive loss weight 1 / (||err||^2 + eps)^p
+    shortcut_bootstrap_fraction: Fraction = 0.25
+    shortcut_max_steps: PositiveInt = 128
+    eval_steps: list[PositiveInt] = field(default_factory=lambda: [1, 2, 4, 8, 128])
+    eval_samples: PositiveInt = 4000
     run_name: str = "default"
     wandb_mode: str = "disabled"
 
     def __post_init__(self):
+        check_fields(self)
         for name in self.targets:
             if name not in TARGETS:
                 raise ValueError(f"unknown target {name!r}; choose from {sorted(TARGETS)}")

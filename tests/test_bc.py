@@ -139,6 +139,10 @@ def test_missing_or_foreign_checkpoint(tmp_path):
     torch.save({"weights": 1}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match="not a flowlib flow-policy checkpoint"):
         bc.load_policy(tmp_path / "other.pt")
+    whole = (tmp_path / "other.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(whole[: len(whole) // 2])  # a copy cut short
+    with pytest.raises(ValueError, match="cut.pt is not a readable torch checkpoint .*pass a best_model.pt"):
+        bc.load_policy(tmp_path / "cut.pt")
 
 
 def test_checkpoint_and_env_dims_must_match(tmp_path):

@@ -1,4 +1,5 @@
-"""Parameter validation, the notebook runner's checks, and every params/ file."""
+"""Parameter validation (keys, types, ranges, finiteness, cross-field checks), the notebook runner's checks before
+a kernel starts, and every params/ file."""
 import dataclasses
 from pathlib import Path
 
@@ -6,6 +7,8 @@ import pytest
 
 from flowlib.config import ConfigError, from_globals, from_yaml, parse_yaml, validate
 from flowlib.run import NOTEBOOK_CONFIGS, config_class, main, resolve_parameters
+from flowlib.bc import ShortCutBCConfig
+from flowlib.reinflow import ReinFlowConfig
 from flowlib.runs import REPO_ROOT
 from flowlib.toy2d import Flows2DConfig
 
@@ -69,3 +72,53 @@ def test_every_params_file_validates_against_its_notebook(path: Path):
     notebook = path.relative_to(REPO_ROOT / "params").parts[0]
     assert notebook in NOTEBOOK_CONFIGS, f"params/{notebook}/ has no notebook config registered in flowlib.run"
     from_yaml(config_class(notebook), path)
+
+
+@pytest.mark.parametrize("cls, values, message", [
+    (ReinFlowConfig, {"num_envs": 0}, "'num_envs' = 0: should be greater than 0 (expected int > 0)"),
+    (ReinFlowConfig, {"actor_lr": -3e-5}, "'actor_lr' = -3e-05: should be greater than 0"),
+    (ReinFlowConfig, {"gamma": 1.5}, "'gamma' = 1.5: should be less than or equal to 1 (expected float >= 0, <= 1)"),
+    (ReinFlowConfig, {"max_noise_std": float("nan")}, "'max_noise_std' = nan: should be a finite number"),
+    (ReinFlowConfig, {"target_kl": float("inf")}, "'target_kl' = inf: should be a finite number"),
+    (ReinFlowConfig, {"bench_num_envs": [1, 0]}, "'bench_num_envs'[1] = 0: should be greater than 0"),
+    (ShortCutBCConfig, {"batch_size": 0}, "'batch_size' = 0"),
+    (Flows2DConfig, {"eval_steps": [1, -2]}, "'eval_steps'[1] = -2"),
+])
+def test_values_out_of_range_or_not_finite_are_rejected_naming_the_key(cls, values, message):
+    with pytest.raises(ConfigError) as err:
+        validate(cls, values, source="run.yaml")
+    assert str(err.value).startswith(f"run.yaml: bad value for {cls.__name__}: ")
+    assert message in str(err.value)
+
+
+def test_a_config_built_in_code_is_range_checked_too():
+    cfg = ReinFlowConfig()
+    with pytest.raises(ConfigError, match="'num_envs' = -1: should be greater than 0"):
+        dataclasses.replace(cfg, num_envs=-1)
+    with pytest.raises(ConfigError, match="'lr' = nan: should be a finite number"):
+        ShortCutBCConfig(lr=float("nan"))
+    assert dataclasses.replace(cfg, num_threads=0).num_threads == 0  # 0: torch's default, allowed
+
+
+def test_a_failed_check_across_fields_is_a_config_error_naming_the_source():
+    with pytest.raises(ConfigError, match=r"^run.yaml: need min_noise_std \(0.5\) <= final_noise_std"):
+        validate(ReinFlowConfig, {"min_noise_std": 0.5}, source="run.yaml")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["03_reinflow", "-p", "max_noise_std=.nan"], "'max_noise_std' = nan: should be a finite number"),
+    (["03_reinflow", "-p", "min_noise_std=0.5"], "need min_noise_std (0.5) <= final_noise_std"),
+    (["03_reinflow", "--run-name", "../elsewhere"], "run_name must be a plain folder name"),
+    (["02_aw_shortcut"], "stage1_checkpoint: checkpoint"),
+    (["03_reinflow"], "init_checkpoint: checkpoint"),
+    (["04_flow_sde"], "init_checkpoint: checkpoint"),
+])
+def test_runner_stops_on_bad_values_and_missing_start_checkpoints_before_a_kernel(argv, message, tmp_path,
+                                                                                  monkeypatch, capsys):
+    monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path))  # no stage-1 checkpoint here
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+    if "checkpoint" in message:
+        assert "run notebook 01 first" in err
+    assert list(tmp_path.iterdir()) == []  # no run folder was made

@@ -41,6 +41,10 @@ def test_missing_and_foreign_checkpoints_are_named(tmp_path, capsys):
     torch.save({"weights": 1}, tmp_path / "other.pt")
     assert evaluate.main([str(tmp_path / "other.pt")]) == 2
     assert "not a flowlib flow-policy checkpoint" in capsys.readouterr().err
+    (tmp_path / "notes.pt").write_text("# not a checkpoint\n")
+    assert evaluate.main([str(tmp_path / "notes.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "notes.pt is not a readable torch checkpoint" in err and "Traceback" not in err
 
 
 def test_act_horizon_override_re_plans_and_rejects_what_the_chunk_lacks(tmp_path, monkeypatch, capsys):

@@ -287,5 +287,5 @@ def test_micro_batches_give_the_same_update_as_one_pass(ratio_mode, hybrid):
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(whole, sliced))
     for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac"):
         assert s_sliced[k] == pytest.approx(s_whole[k], rel=1e-4, abs=1e-6), k
-    with pytest.raises(ValueError, match="micro_batch_size must be >= 0"):
+    with pytest.raises(ValueError, match="'micro_batch_size' = -1: should be greater than or equal to 0"):
         reinflow.ReinFlowConfig(micro_batch_size=-1)

@@ -252,7 +252,7 @@ def test_config_rejects_bad_values():
         reinflow.ReinFlowConfig(min_noise_std=0.5, max_noise_std=0.3)
     with pytest.raises(ValueError, match="val_seed .* overlap"):
         reinflow.ReinFlowConfig(val_seed=20_000 - 10, num_eval_episodes=48)
-    with pytest.raises(ValueError, match="act_horizon must be >= 0"):
+    with pytest.raises(ValueError, match="'act_horizon' = -1: should be greater than or equal to 0"):
         reinflow.ReinFlowConfig(act_horizon=-1)
     with pytest.raises(ValueError, match="actor_optimizer must be 'adam' or 'sgd'"):
         reinflow.ReinFlowConfig(actor_optimizer="rmsprop")
@@ -273,7 +273,7 @@ def test_observations_far_outside_the_demonstrations_are_clipped_before_the_nets
         assert torch.allclose(agent.act(far, x0=x0), agent.act(edge, x0=x0))
         agent.obs_clip = 0.0  # off: the nets see the 1000 std
         assert not torch.allclose(agent.value(far), agent.value(edge))
-    with pytest.raises(ValueError, match="obs_clip must be >= 0"):
+    with pytest.raises(ValueError, match="'obs_clip' = -1.0: should be greater than or equal to 0"):
         reinflow.ReinFlowConfig(obs_clip=-1.0)
 
 

@@ -82,7 +82,7 @@ def test_what_has_no_meaning_for_a_residual_policy_is_refused():
         residual_agent(hybrid=True)
     with pytest.raises(ValueError, match="residual_bound must be > 0"):
         residual_agent(bound=0.0)
-    with pytest.raises(ValueError, match="residual_bound must be > 0"):
+    with pytest.raises(ValueError, match="'residual_bound' = -1.0: should be greater than 0"):
         reinflow.ReinFlowConfig(steer="residual", residual_bound=-1.0)
     with pytest.raises(ValueError, match="residual_per must be one of"):
         residual_agent(residual_per="step")

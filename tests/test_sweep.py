@@ -60,6 +60,8 @@ def test_a_failing_job_is_recorded_and_the_others_still_run(tmp_path, monkeypatc
         assert "not found" in error and "run notebook 01" in error
     rows = sweep.monitor(tmp_path / "out" / "03_reinflow" / "params")
     assert [r["status"] for r in rows] == ["failed", "failed"]
+    with pytest.raises(ValueError, match="no finished job yet; 2 failed, a_seed0 with: error: init_checkpoint: .*not found"):
+        sweep.load_sweep(tmp_path / "out" / "03_reinflow" / "params")  # the report says why, not only "see monitor"
     with pytest.raises(FileNotFoundError, match="sweep folder"):
         sweep.monitor(tmp_path)
 
