@@ -44,9 +44,25 @@ def policy_checkpoint(value: str, key: str) -> Path:
     if not path.is_absolute():
         path = outputs_root() / path
     if not path.is_file():
-        raise FileNotFoundError(f"{key}: checkpoint {path} not found: run notebook 01 first "
-                                f"(python -m flowlib.run 01_shortcut_bc) or set {key} to a best_model.pt")
+        raise FileNotFoundError(f"{key}: checkpoint {path} not found: {_how_to_make(path)} or set {key} to a "
+                                "best_model.pt")
     return path
+
+
+def _how_to_make(path: Path) -> str:
+    """The command whose run writes ``path`` (``<notebook>/<run>/[seed_<s>/]best_model.pt`` under the outputs
+    root), when that run is notebook 01's or 02's default or one of their params/ files."""
+    try:
+        notebook, run = path.relative_to(outputs_root()).parts[:2]
+    except ValueError:  # outside the outputs root, or too short to name a run
+        notebook, run = "", ""
+    if notebook in ("01_shortcut_bc", "02_aw_shortcut"):
+        params = Path("params") / notebook / f"{run}.yaml"
+        if run == "default":
+            return f"run notebook {notebook[:2]} first (python -m flowlib.run {notebook})"
+        if (REPO_ROOT / params).is_file():
+            return f"run notebook {notebook[:2]} first (python -m flowlib.run {notebook} --params {params})"
+    return "run notebook 01 first (python -m flowlib.run 01_shortcut_bc)"
 
 
 def _atomic_write(path: Path, write) -> Path:

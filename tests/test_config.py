@@ -112,6 +112,11 @@ def test_a_failed_check_across_fields_is_a_config_error_naming_the_source():
     (["02_aw_shortcut"], "stage1_checkpoint: checkpoint"),
     (["03_reinflow"], "init_checkpoint: checkpoint"),
     (["04_flow_sde"], "init_checkpoint: checkpoint"),
+    (["03_reinflow", "--params", str(REPO_ROOT / "params/03_reinflow/cpu.yaml")],  # the run that writes its start
+     "cpu150/best_model.pt not found: run notebook 01 first (python -m flowlib.run 01_shortcut_bc --params "
+     "params/01_shortcut_bc/cpu150.yaml)"),
+    (["03_reinflow", "--params", str(REPO_ROOT / "params/03_reinflow/baseline.yaml")],
+     "run notebook 02 first (python -m flowlib.run 02_aw_shortcut --params params/02_aw_shortcut/gpu.yaml)"),
 ])
 def test_runner_stops_on_bad_values_and_missing_start_checkpoints_before_a_kernel(argv, message, tmp_path,
                                                                                   monkeypatch, capsys):
@@ -119,6 +124,6 @@ def test_runner_stops_on_bad_values_and_missing_start_checkpoints_before_a_kerne
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
-    if "checkpoint" in message:
-        assert "run notebook 01 first" in err
+    if message.endswith("checkpoint: checkpoint"):  # the default start: notebook 01's default run
+        assert "run notebook 01 first (python -m flowlib.run 01_shortcut_bc) or set" in err
     assert list(tmp_path.iterdir()) == []  # no run folder was made
