@@ -246,7 +246,8 @@ def load_sweep(sweep_dir: str | Path):
     for j in json.loads(meta_path.read_text())["jobs"]:
         job = Job(**j)
         if not job.finished:
-            failed += [job] if job.failed else []
+            if job.failed:
+                failed.append(job)
             continue
         variant = Path(job.params_file).stem
         tags = {"job": job.name, "variant": variant, "category": category(variant), "seed": job.seed}
