@@ -45,6 +45,7 @@ from tqdm import tqdm
 
 from .flow_sde import gaussian_entropy
 from .latent import LatentSteeringAgent
+from .nets import frozen
 from .reinflow import ReinFlowConfig, end_iteration, episode_stats, noise_schedule, prepare_run, resume
 from .smdp import ChunkRunner
 
@@ -68,6 +69,11 @@ class TwinQ(nn.Module):
     def forward(self, o_flat: torch.Tensor, w_flat: torch.Tensor) -> torch.Tensor:
         x = torch.cat([o_flat, w_flat], 1)
         return torch.stack([net(x).squeeze(-1) for net in self.nets])
+
+    def q1(self, o_flat: torch.Tensor, w_flat: torch.Tensor) -> torch.Tensor:
+        """``Q_1 (o, w)`` alone ``[B]``: what TD3's deterministic policy gradient follows (Fujimoto et al. 2018,
+        Alg. 1), without ``Q_2``'s forward and backward."""
+        return self.nets[0](torch.cat([o_flat, w_flat], 1)).squeeze(-1)
 
 
 class LatentSACAgent(LatentSteeringAgent):
@@ -180,7 +186,8 @@ def sac_update(agent: LatentSACAgent, batch: dict[str, torch.Tensor], actor_opt,
     stats = {"value_loss": q_loss.item() / 2, "q": q.mean().item(), "target": y.mean().item()}
     if train_policy:
         w, mu, sigma = agent.rsample(o, torch.randn_like(b["latent"]))                  # [B, D], [B, H, A] x2
-        q_pi = agent.q(o.flatten(1), w).min(0).values
+        with frozen(agent.q):  # dQ/dw only: the critics' weight gradients would be dropped
+            q_pi = agent.q(o.flatten(1), w).min(0).values
         kl = prior_kl(mu, sigma)                                                          # [B]
         actor_loss = (alpha * kl - q_pi).mean()
         alpha_loss = -(agent.log_alpha.exp() * (kl.detach() - cfg.sac_target_kl)).mean()
@@ -216,13 +223,14 @@ def collect(agent: LatentSACAgent, runner: ChunkRunner, buffer: ReplayBuffer, nu
 
 def optimizers(agent: LatentSACAgent, cfg: ReinFlowConfig):
     """``(actor_opt, critic_opt)``: Adam over the policy (and ``log_alpha``, at ``sac_alpha_lr``, unless 0) and
-    over the twin Q."""
+    over the twin Q, with torch's fused kernel (``residual_step.optimizers``)."""
     groups = [{"params": agent.policy_parameters(), "lr": cfg.actor_lr}]
     if cfg.sac_alpha_lr > 0:
         groups.append({"params": [agent.log_alpha], "lr": cfg.sac_alpha_lr})
     else:
         agent.log_alpha.requires_grad_(False)
-    return torch.optim.Adam(groups), torch.optim.Adam(agent.value_parameters(), lr=cfg.critic_lr)
+    return (torch.optim.Adam(groups, fused=True),
+            torch.optim.Adam(agent.value_parameters(), lr=cfg.critic_lr, fused=True))
 
 
 def resume_with_replay(cfg: ReinFlowConfig, agent, last, actor_opt, critic_opt, env, buffer: ReplayBuffer,

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -40,6 +41,21 @@ def mlp(sizes: list[int], act=nn.SiLU) -> nn.Sequential:
         if i < len(sizes) - 2:
             layers.append(act())
     return nn.Sequential(*layers)
+
+
+@contextlib.contextmanager
+def frozen(module: nn.Module):
+    """Inside, ``module``'s parameters take no gradient while gradients still flow through it to its inputs: a
+    graph built here has no weight-gradient nodes for them (an actor's loss through a critic computes ``dQ/da``
+    only).  Their ``requires_grad`` flags are restored on exit."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield module
+    finally:
+        for p in params:
+            p.requires_grad_(True)
 
 
 class ConditionalMLP(nn.Module):

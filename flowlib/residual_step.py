@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from .latent import refuse_chain_options
 from .latent_sac import ReplayBuffer, TwinQ, on_all_cores, resume_with_replay
-from .nets import mlp
+from .nets import frozen, mlp
 from .reinflow import ReinFlowConfig, end_iteration, episode_stats, noise_schedule, prepare_run
 from .reinflow_agent import ReinFlowAgent
 from .smdp import ChunkRunner
@@ -139,6 +139,10 @@ class StepResidualAgent(ReinFlowAgent):
         correction enters the critics at the scale of the normalised observations."""
         return (self.q_target if target else self.q)(s, r / self.residual_bound)
 
+    def critic_1(self, s: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """``Q_1 (s, r)`` ``[B]`` alone, the critic the actor's deterministic policy gradient follows."""
+        return self.q.q1(s, r / self.residual_bound)
+
     @torch.no_grad()
     def update_targets(self, tau: float, actor: bool = True) -> None:
         """``Q_bar <- (1 - tau) Q_bar + tau Q``, and with ``actor`` the same for ``mu_bar``."""
@@ -222,12 +226,13 @@ def td3_update(agent: StepResidualAgent, batch: dict[str, torch.Tensor], actor_o
     stats = {"value_loss": q_loss.item() / 2, "q": q.mean().item(), "target": y.mean().item()}
     if train_policy:
         mu = agent.residual(s)                                                                # [B, A]
-        actor_loss = -agent.critic(s, mu)[0].mean() + cfg.residual_l2 * (mu / agent.residual_bound).pow(2).mean()
+        with frozen(agent.q):  # dQ_1/dr only: no weight gradients for the critics, no Q_2 (a third of the step)
+            q_pi = agent.critic_1(s, mu)                                                      # [B]
+        actor_loss = -q_pi.mean() + cfg.residual_l2 * (mu / agent.residual_bound).pow(2).mean()
         actor_opt.zero_grad(set_to_none=True)
         actor_loss.backward()
         nn.utils.clip_grad_norm_(actor_opt.param_groups[0]["params"], cfg.max_grad_norm)  # = policy_parameters()
         actor_opt.step()
-        agent.q.zero_grad(set_to_none=True)  # the actor's loss reached the critics too; the next critic step re-zeroes
         stats.update({"policy_loss": actor_loss.item(), "residual_rms": mu.pow(2).mean().sqrt().item()})
     agent.update_targets(cfg.sac_tau, actor=train_policy)  # Q_bar follows Q in the warm-up too
     return stats
@@ -297,10 +302,11 @@ class StepCollector:
 
 
 def optimizers(agent: StepResidualAgent, cfg: ReinFlowConfig):
-    """``(actor_opt, critic_opt)``: Adam over the residual actor and over the twin Q (``foreach``: one fused op per
-    moment over all tensors, as on CUDA; CPU's default is a loop over tensors, a tenth of a small TD3 step)."""
-    return (torch.optim.Adam(agent.policy_parameters(), lr=cfg.actor_lr, foreach=True),
-            torch.optim.Adam(agent.value_parameters(), lr=cfg.critic_lr, foreach=True))
+    """``(actor_opt, critic_opt)``: Adam over the residual actor and over the twin Q, with torch's fused kernel (one
+    pass over all tensors; on CPU a third of the ``foreach`` version's time and a sixth of the default loop's, which
+    cost a tenth of a small TD3 step; ``benchmarks/td3_update_speed.py``)."""
+    return (torch.optim.Adam(agent.policy_parameters(), lr=cfg.actor_lr, fused=True),
+            torch.optim.Adam(agent.value_parameters(), lr=cfg.critic_lr, fused=True))
 
 
 def actor_lr(cfg: ReinFlowConfig, env_steps: int) -> float:

@@ -1,6 +1,7 @@
 """Per-step residual TD3 (flowlib.residual_step): the stage-1 policy at the start, TD3's target, the actor moving to
 the correction that pays with the flow untouched, the collector's transitions chaining step to step, what is
 refused, and a real PickCube run that evaluates with the correction in the loop and resumes with its replay."""
+import copy
 import dataclasses
 import importlib.util
 from pathlib import Path
@@ -10,6 +11,7 @@ import torch
 
 from flowlib import bc, reinflow, smdp
 from flowlib.envs import make_env
+from flowlib.nets import frozen, mlp
 from flowlib.residual_step import (NStepReturns, StepCollector, StepResidualAgent, actor_lr, optimizers,
                                    replay_buffer, td3_update)
 from flowlib.tracking import Tracker
@@ -113,6 +115,49 @@ def test_the_actor_moves_to_the_correction_that_pays_and_leaves_the_flow_as_it_w
     # near the best correction everywhere, not at the bound's corners (where a critic's linear slope would drive it)
     assert torch.allclose(mu.mean(0), best, atol=0.08) and torch.allclose(mu, best.expand(5, -1), atol=0.12), mu
     assert all(torch.equal(a, b) for a, b in zip(flow, agent.actor.base.parameters()))
+
+
+def test_the_actor_follows_the_gradient_of_q1_alone_and_leaves_the_critics_gradients_as_their_own_loss_left_them():
+    agent, obs, _ = step_agent(bound=0.5)
+    cfg = reinflow.ReinFlowConfig(**{k: v for k, v in TD3.items() if k != "reward"}, td3_target_noise=0.0,
+                                  max_grad_norm=1e6)  # no clipping: the raw gradients are compared
+    with torch.no_grad():  # an actor and critics away from their start, so that every gradient is non-zero
+        agent.residual_net[-1].weight.normal_(0, 0.3)
+        agent.q.nets[1][-1].weight.mul_(-3.0)  # Q_2 sloped unlike Q_1 ...
+        agent.q.nets[1][-1].bias.sub_(50.0)  # ... and below it everywhere: a min over the two would follow Q_2
+    g = torch.Generator().manual_seed(0)
+    batch = {"obs": obs, "latent": 0.1 * torch.randn(5, ACT_DIM, generator=g), "reward": torch.randn(5, generator=g),
+             "bootstrap": torch.full((5,), 0.8), "next_obs": obs.flip(0), "base": torch.randn(5, ACT_DIM, generator=g),
+             "next_base": torch.randn(5, ACT_DIM, generator=g)}
+    critic_only = copy.deepcopy(agent)
+    td3_update(agent, batch, *optimizers(agent, cfg), cfg, train_policy=True)
+    td3_update(critic_only, batch, *optimizers(critic_only, cfg), cfg, train_policy=False)
+    for with_actor, alone in zip(agent.q.parameters(), critic_only.q.parameters()):
+        assert torch.equal(with_actor.grad, alone.grad)  # the actor's loss added nothing to the critics' gradients
+    # the deterministic policy gradient, computed apart on the critics as the critic step left them: Q_1 only
+    net, q1 = critic_only.residual_net, critic_only.q.nets[0]
+    s = critic_only.state(obs, batch["base"])
+    mu = agent.residual_bound * torch.tanh(net(s))
+    loss = -q1(torch.cat([s, mu / agent.residual_bound], 1)).mean() + cfg.residual_l2 * (mu / agent.residual_bound).pow(2).mean()
+    expected = torch.autograd.grad(loss, list(net.parameters()))
+    for p, e in zip(agent.residual_net.parameters(), expected):
+        assert torch.allclose(p.grad, e, atol=1e-6), (p.grad - e).abs().max()
+    assert all(p.requires_grad for p in agent.q.parameters())  # unfrozen after the actor's step
+
+
+def test_frozen_stops_the_weight_gradients_passes_the_input_gradient_and_restores_the_flags_even_on_error():
+    net = mlp([3, 8, 1])
+    net[0].bias.requires_grad_(False)  # frozen before: stays frozen after
+    x = torch.randn(4, 3, requires_grad=True)
+    with frozen(net):
+        y = net(x).sum()
+    y.backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    assert all(p.grad is None for p in net.parameters())
+    with pytest.raises(RuntimeError, match="inside"):
+        with frozen(net):
+            raise RuntimeError("inside")
+    assert [p.requires_grad for p in net.parameters()] == [True, False, True, True]
 
 
 def n_step_stream(T, N, g=0.8, seed=0):
@@ -300,6 +345,25 @@ def test_td3_runs_in_a_real_pickcube_env_and_its_transitions_chain_step_to_step(
     a = torch.zeros(3, ACT_DIM)
     agent2 = agent2.eval().cpu()  # trained on the GPU if any
     assert torch.equal(reloaded.correct_step(window, a), agent2.correct_step(window, a))
+
+
+def test_the_update_speed_benchmark_times_each_adam_on_a_params_files_agent(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "outputs"))
+    policy, _ = tiny_policy()
+    path = tmp_path / "stage1.pt"
+    bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
+    params = tmp_path / "td3.yaml"
+    params.write_text("\n".join(f"{k}: {v}" for k, v in {**TD3, "init_checkpoint": str(path), "sac_batch_size": 8,
+                                                          "sac_updates_per_decision": 0.5, "total_env_steps": 4000}.items()))
+    rows = load_benchmark("td3_update_speed").main(["--params", str(params), "--adam", "loop", "fused", "--updates",
+                                                     "4", "--repeats", "2"])
+    assert [r["adam"] for r in rows] == ["loop", "fused"] and all(r["ms_per_step"] > 0 for r in rows)
+    assert rows[0]["steps_per_run"] == 2000  # 0.5 steps per env step x 4000
+    assert (tmp_path / "outputs" / "benchmarks" / "td3_update_speed" / "default.json").exists()
+    ppo = tmp_path / "ppo.yaml"
+    ppo.write_text(f"init_checkpoint: {path}\n")
+    with pytest.raises(SystemExit, match="steer: residual_step"):
+        load_benchmark("td3_update_speed").main(["--params", str(ppo)])
 
 
 def test_the_nudge_benchmark_moves_the_gripper_towards_the_goal_only_while_grasped():
