@@ -35,7 +35,8 @@ def random_replay(agent, size: int, generator: torch.Generator):
     buffer = residual_step.replay_buffer(agent, size)
     obs = (agent.obs_horizon, agent.obs_dim)
     A, b = agent.action_dim, agent.residual_bound
-    buffer.add(obs=torch.randn(size, *obs, generator=generator), latent=b * (2 * torch.rand(size, A, generator=generator) - 1),
+    buffer.add(obs=torch.randn(size, *obs, generator=generator),
+               latent=b * (2 * torch.rand(size, A, generator=generator) - 1),  # uniform in the bound
                reward=torch.randn(size, generator=generator), bootstrap=torch.full((size,), 0.8),
                next_obs=torch.randn(size, *obs, generator=generator), base=torch.randn(size, A, generator=generator),
                next_base=torch.randn(size, A, generator=generator))
@@ -80,7 +81,8 @@ def main(argv=None) -> list[dict]:
     rows = []
     for name in args.adam:
         ms = 1e3 * statistics.median(times[name])
-        rows.append({"adam": name, "ms_per_step": round(ms, 2), "ms_spread": round(1e3 * (max(times[name]) - min(times[name])), 2),
+        spread = 1e3 * (max(times[name]) - min(times[name]))
+        rows.append({"adam": name, "ms_per_step": round(ms, 2), "ms_spread": round(spread, 2),
                      "steps_per_run": steps_per_run, "run_update_min": round(ms * steps_per_run / 6e4, 1),
                      "threads": os.cpu_count(), "batch": cfg.sac_batch_size})
         print(f"adam {name:8s} {ms:6.2f} ms per step (max - min over repeats {rows[-1]['ms_spread']:.2f}) -> "

@@ -303,7 +303,7 @@ class StepCollector:
 
 def optimizers(agent: StepResidualAgent, cfg: ReinFlowConfig):
     """``(actor_opt, critic_opt)``: Adam over the residual actor and over the twin Q, with torch's fused kernel (one
-    pass over all tensors; on CPU a third of the ``foreach`` version's time and a sixth of the default loop's, which
+    pass over all tensors; on CPU a third of the ``foreach`` version's time and a fifth of the default loop's, which
     cost a tenth of a small TD3 step; ``benchmarks/td3_update_speed.py``)."""
     return (torch.optim.Adam(agent.policy_parameters(), lr=cfg.actor_lr, fused=True),
             torch.optim.Adam(agent.value_parameters(), lr=cfg.critic_lr, fused=True))
