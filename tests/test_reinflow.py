@@ -407,6 +407,26 @@ def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, 
         assert [r["policy"] for r in rows] == [evaluate.label(path), "run/last.pt@noisy"]
 
 
+def test_the_sim_step_profile_splits_a_real_pickcube_step_into_parts_that_add_up(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "outputs"))
+    spec = importlib.util.spec_from_file_location("sim_step_profile", REPO / "benchmarks" / "sim_step_profile.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = {r["part"]: r for r in bench.main(["--steps", "6", "--repeats", "3"])}
+    assert list(rows) == [*bench.PARTS, "other", "step"]
+    assert all(rows[p]["ms_per_step"] > 0 for p in bench.PARTS)  # each part was reached by the step
+    # one call of each part per env step, PhysX's 5 substeps (100 Hz sim, 20 Hz control): the resets' own calls
+    # to these parts are not counted
+    assert {p: rows[p]["calls_per_step"] for p in bench.PARTS} == {**dict.fromkeys(bench.PARTS, 1), "physics": 5}
+    assert rows["other"]["ms_per_step"] >= 0
+    assert sum(rows[p]["ms_per_step"] for p in (*bench.PARTS, "other")) == pytest.approx(rows["step"]["ms_per_step"],
+                                                                                          abs=0.01)
+    assert rows["step"]["share"] == 1.0
+    assert (tmp_path / "outputs" / "benchmarks" / "sim_step_profile" / "default.json").exists()
+    with pytest.raises(SystemExit, match="--steps and --repeats must be >= 1"):
+        bench.main(["--steps", "0"])
+
+
 def test_finish_episodes_is_the_discounted_rest_of_the_episode_bootstrapped_at_the_time_limit():
     """From step 0 of a 20-step episode (chunks of 8, 8 and 4 executed steps): G = sum_k gamma^k r_(k+1)
     + gamma^20 V(last window), whatever actions the policy takes; an ended episode then adds nothing."""
