@@ -16,8 +16,8 @@ actions and times the parts of ManiSkill's ``step``:
     .venv/bin/python benchmarks/sim_step_profile.py --steps 500 --repeats 5
 
 Prints and writes (``outputs/benchmarks/sim_step_profile/<name>.json``) one row per part: ms per env step, its
-share of the whole step and its calls per step, from the repeat with the median step time (so that the parts add up).  Run it on an
-otherwise idle machine; a busy host moves every row.
+share of the whole step and its calls per step, from the repeat with the median step time (so that the parts add
+up).  Run it on an otherwise idle machine; a busy host moves every row.
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def main(argv=None) -> list[dict]:
         totals: dict[str, float] = defaultdict(float)
         instrument(env.env.envs[0].unwrapped, totals)
         gen = torch.Generator().manual_seed(args.seed)
-        per_repeat = defaultdict(list)  # part -> seconds per env step, one entry per repeat
+        per_repeat = defaultdict(list)  # part -> seconds (part + " calls" -> calls) per env step, one per repeat
         episode = 0
         for _ in tqdm(range(args.repeats), desc="repeats"):
             totals.clear()
