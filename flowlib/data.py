@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .envs import DEFAULT_CONTROL_MODE, check_env_id
+from .envs import DEFAULT_CONTROL_MODE, check_env_id, clear_grasp_at_reset
 from .runs import outputs_root
 
 MOTION_PLANNING_ENVS = ("PickCube-v1", "PushCube-v1", "StackCube-v1", "PegInsertionSide-v1", "PlugCharger-v1",
@@ -95,7 +95,9 @@ def _run(cmd: list[str], what: str) -> None:
 
 
 def load_demos(path: str | Path, control_mode: str = DEFAULT_CONTROL_MODE, max_episodes: int | None = None) -> list[Episode]:
-    """Episodes of a ManiSkill trajectory file (``.h5`` with its ``.json``); checks obs and control mode."""
+    """Episodes of a ManiSkill trajectory file (``.h5`` with its ``.json``); checks obs and control mode.
+    Each first observation gets what ``flowlib.envs.ManiSkillVecEnv.reset`` gives a policy: the grasp flag that
+    the replay's reset carried over from the previous demo cleared (``flowlib.envs.clear_grasp_at_reset``)."""
     import h5py
 
     path = Path(path)
@@ -103,8 +105,8 @@ def load_demos(path: str | Path, control_mode: str = DEFAULT_CONTROL_MODE, max_e
         raise FileNotFoundError(f"demo file {path} not found: generate demos with flowlib.data.generate_demos(env_id, n) "
                                 "or point demo_file at an existing ManiSkill .h5")
     meta_path = path.with_suffix(".json")
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    if meta:
         kwargs = meta.get("env_info", {}).get("env_kwargs", {})
         found = kwargs.get("control_mode")
         if found is not None and found != control_mode:
@@ -113,9 +115,8 @@ def load_demos(path: str | Path, control_mode: str = DEFAULT_CONTROL_MODE, max_e
                              f"-c {control_mode} -o state --save-traj --use-first-env-state -b physx_cpu --record-rewards")
         if kwargs.get("obs_mode") not in (None, "state"):
             raise ValueError(f"{path.name} has obs_mode={kwargs.get('obs_mode')!r}; replay it with -o state")
-    seeds = {}
-    if meta_path.is_file():
-        seeds = {e["episode_id"]: e.get("episode_seed") for e in json.loads(meta_path.read_text()).get("episodes", [])}
+    seeds = {e["episode_id"]: e.get("episode_seed") for e in meta.get("episodes", [])}
+    env_id = meta.get("env_info", {}).get("env_id")
     episodes = []
     with h5py.File(path, "r") as f:
         keys = sorted((k for k in f.keys() if k.startswith("traj_")), key=lambda k: int(k.split("_")[1]))
@@ -126,8 +127,10 @@ def load_demos(path: str | Path, control_mode: str = DEFAULT_CONTROL_MODE, max_e
                                  "(later stages need dense and sparse rewards)")
             if not isinstance(g["obs"], h5py.Dataset):
                 raise ValueError(f"{path.name}/{key}: obs is not a flat state vector; replay with -o state")
+            obs = np.asarray(g["obs"], dtype=np.float32)  # [T+1, O]
+            clear_grasp_at_reset(env_id, obs[0])  # the replay's reset left the previous demo's grasp in it
             episodes.append(Episode(
-                obs=np.asarray(g["obs"], dtype=np.float32), actions=np.asarray(g["actions"], dtype=np.float32),
+                obs=obs, actions=np.asarray(g["actions"], dtype=np.float32),
                 rewards=np.asarray(g["rewards"], dtype=np.float32), success=np.asarray(g["success"], dtype=bool),
                 terminated=np.asarray(g["terminated"], dtype=bool), truncated=np.asarray(g["truncated"], dtype=bool),
                 seed=seeds.get(int(key.split("_")[1]))))

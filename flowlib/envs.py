@@ -36,6 +36,24 @@ PICKCUBE_FINGERS, PICKCUBE_GRASPED = slice(7, 9), 18
 PICKCUBE_TCP, PICKCUBE_GOAL, PICKCUBE_OBJ = slice(19, 22), slice(26, 29), slice(29, 32)  # positions
 PICKCUBE_TCP_TO_OBJ, PICKCUBE_OBJ_TO_GOAL = slice(36, 39), slice(39, 42)  # cube - gripper centre, goal - cube
 
+# The observation dim a reset fills from the episode before. PickCube's is_grasped is read off the contacts of the last
+# physics step, which a reset does not simulate again, so on physx_cpu an episode's first observation says "grasped"
+# when the env's previous episode ended holding the cube (149 of the 150 replayed demos start so). Every PickCube
+# episode starts with the gripper open above a cube resting on the table: the true value is 0, so it is cleared on
+# physx_cuda too (whether ManiSkill's GPU reset carries it over is unchecked: no GPU here).
+# {env_id: (state obs width, dim)}
+GRASPED_AT_RESET = {"PickCube-v1": (PICKCUBE_OBS_DIM, PICKCUBE_GRASPED)}
+
+
+def clear_grasp_at_reset(env_id: str, obs):
+    """First observations ``obs [..., O]`` (torch or numpy) with the grasp flag a reset left from the previous
+    episode set to its true value, 0 (``GRASPED_AT_RESET``); in place, returned.  Tasks without such a flag, or
+    an observation of another width (not ManiSkill 3.0.x's state layout), are returned unchanged."""
+    width, dim = GRASPED_AT_RESET.get(env_id, (None, None))
+    if width is not None and obs.shape[-1] == width:
+        obs[..., dim] = 0
+    return obs
+
 
 def known_env_ids() -> list[str]:
     import mani_skill.envs  # noqa: F401  (registers the envs)
@@ -170,11 +188,13 @@ class ManiSkillVecEnv:
 
     def reset(self, seed: int | list[int] | None = None) -> torch.Tensor:
         """Start ``num_envs`` new episodes; env ``i`` is seeded with ``seed + i`` (or ``seed[i]`` for a list;
-        on physx_cuda a list needs a ManiSkill whose ``reset`` takes one seed per env). Returns obs ``[N, O]``."""
+        on physx_cuda a list needs a ManiSkill whose ``reset`` takes one seed per env). Returns obs ``[N, O]``,
+        with what a reset leaves of the previous episode cleared (``clear_grasp_at_reset``): an episode's first
+        observation, and so its result, does not depend on which episode its env ran before."""
         if isinstance(seed, list) and len(seed) != self.num_envs:
             raise ValueError(f"a seed list needs {self.num_envs} entries (one per env), got {len(seed)}")
         obs, _ = self.env.reset(seed=seed)
-        return self._tensor(obs).reshape(self.num_envs, -1)
+        return clear_grasp_at_reset(self.spec.env_id, self._tensor(obs).reshape(self.num_envs, -1))
 
     def reset_some(self, mask: torch.Tensor, seeds: list[int]) -> torch.Tensor:
         """Restart only the envs where ``mask [N]`` is true, env ``i`` with ``seeds[i]`` (the others keep
@@ -191,15 +211,18 @@ class ManiSkillVecEnv:
             obs, _ = self.env.reset(options={"env_idx": idx.to(self.device)})
         else:
             obs, _ = self.env.reset(seed=[int(s) for s in seeds], options={"reset_mask": mask.numpy()})
-        return self._tensor(obs).reshape(self.num_envs, -1)
+        obs = self._tensor(obs).reshape(self.num_envs, -1)
+        started = mask.to(obs.device)
+        obs[started] = clear_grasp_at_reset(self.spec.env_id, obs[started])
+        return obs
 
     def step(self, action: torch.Tensor):
         """``action [N, A]`` -> ``obs [N, O], reward [N], terminated [N], truncated [N], success [N]``.
 
         The task's other true/false evaluation flags of this step (ManiSkill's ``evaluate()``: for PickCube
         ``is_grasped``, ``is_obj_placed``, ``is_robot_static``) are left in ``self.task_flags``, ``{name: [N]}``.
-        Read them from a step, not from a reset observation: on ``physx_cpu`` the ``is_grasped`` entry of the
-        observation that ``reset`` returns still reflects the previous episode's last contacts."""
+        (ManiSkill's ``reset`` computes ``is_grasped`` from the previous episode's last contacts; ``reset`` here
+        clears it from the observation, see ``clear_grasp_at_reset``.)"""
         if action.shape != (self.num_envs, self.spec.action_dim):
             raise ValueError(f"action must be [{self.num_envs}, {self.spec.action_dim}], got {tuple(action.shape)}")
         act = action if self.backend == "physx_cuda" else action.detach().cpu().numpy()

@@ -8,7 +8,7 @@ import torch
 
 from flowlib import bc
 from flowlib.data import ChunkDataset, Episode
-from flowlib.envs import EnvSpec, check_env_id, make_env
+from flowlib.envs import PICKCUBE_GRASPED, PICKCUBE_TCP_TO_OBJ, EnvSpec, check_env_id, make_env
 from flowlib.unet import ShortCutVelocityUNet1D
 
 OBS_DIM, ACT_DIM = 42, 4  # PickCube-v1, state obs, pd_ee_delta_pos
@@ -196,6 +196,36 @@ def test_real_maniskill_env_on_cpu_has_the_batched_interface(env_id):
             assert env.task_flags["is_grasped"].tolist() == [False] and env.task_flags["is_robot_static"].tolist() == [True]
         with pytest.raises(ValueError, match=r"action must be \[1, 4\]"):
             env.step(torch.zeros(1, 3))
+
+
+def grasp_cubes(env, obs, steps=20):
+    """Scripted PickCube from ``obs [N, O]``: each gripper goes down onto its cube (open), closes at step 10
+    and lifts it; the last observation."""
+    for t in range(steps):
+        cube = obs[:, PICKCUBE_TCP_TO_OBJ]  # [N, 3] cube - gripper, m; an action of 1 asks for 10 cm
+        action = torch.zeros(env.num_envs, 4)
+        action[:, :3] = (cube / 0.1).clamp(-1, 1) if t < 15 else torch.tensor([0.0, 0.0, 0.5])
+        action[:, 3] = 1.0 if t < 10 else -1.0  # open, then close
+        obs, *_ = env.step(action)
+    return obs
+
+
+def test_a_reset_does_not_carry_the_previous_episodes_grasp_into_the_first_observation():
+    with make_env("PickCube-v1", 2, max_episode_steps=50, backend="physx_cpu") as env:
+        obs = grasp_cubes(env, env.reset(seed=[0, 1]))
+        assert env.task_flags["is_grasped"].tolist() == [True, True] and obs[:, PICKCUBE_GRASPED].tolist() == [1, 1]
+        raw, _ = env.env.reset(seed=[2, 3])  # ManiSkill's own reset reads the last episode's contacts
+        assert raw[:, PICKCUBE_GRASPED].tolist() == [1, 1]
+        grasp_cubes(env, torch.as_tensor(raw, dtype=torch.float32))
+        first = env.reset(seed=[2, 3])  # the same first observation, the grasp cleared
+        assert first[:, PICKCUBE_GRASPED].tolist() == [0, 0]
+        keep = [i for i in range(first.shape[1]) if i != PICKCUBE_GRASPED]
+        assert torch.allclose(first[:, keep], torch.as_tensor(raw[:, keep], dtype=torch.float32))
+        grasp_cubes(env, first)
+        obs = env.reset_some(torch.tensor([True, False]), [4, 5])  # env 0 starts over, env 1 still holds its cube
+        assert obs[0, PICKCUBE_GRASPED] == 0
+        obs, *_ = env.step(torch.tensor([[0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, -1.0]]))
+        assert env.task_flags["is_grasped"].tolist() == [False, True] and obs[:, PICKCUBE_GRASPED].tolist() == [0, 1]
 
 
 def test_policy_rolls_in_a_real_pickcube_env(tmp_path):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flowlib.data import ChunkDataset, Episode, Normalizer, check_held_out, load_demos
+from flowlib.envs import PICKCUBE_GRASPED, PICKCUBE_OBS_DIM
 
 
 def episode(T: int, obs_dim: int = 3, action_dim: int = 4, offset: float = 0.0) -> Episode:
@@ -65,11 +66,11 @@ def test_normalizer_round_trip_and_state(mode):
         Normalizer(3, "zscore")
 
 
-def write_demo_file(path, control_mode="pd_ee_delta_pos", with_rewards=True):
+def write_demo_file(path, control_mode="pd_ee_delta_pos", with_rewards=True, obs=None):
     ep = episode(6)
     with h5py.File(path, "w") as f:
         g = f.create_group("traj_0")
-        g["obs"], g["actions"] = ep.obs, ep.actions
+        g["obs"], g["actions"] = ep.obs if obs is None else obs, ep.actions
         g["success"], g["terminated"], g["truncated"] = ep.success, ep.terminated, ep.truncated
         if with_rewards:
             g["rewards"] = ep.rewards
@@ -84,6 +85,14 @@ def test_load_demos_reads_a_maniskill_file(tmp_path):
     assert len(eps) == 1 and eps[0].obs.shape == (7, 3) and eps[0].actions.shape == (6, 4)
     assert eps[0].sparse_rewards.tolist() == [0, 0, 0, 0, 0, 1]
     assert eps[0].seed == 7  # ManiSkill's episode_seed, so evaluations can avoid it
+
+
+def test_load_demos_clears_the_grasp_that_the_replays_reset_carried_into_a_pickcube_demos_first_observation(tmp_path):
+    obs = np.random.default_rng(0).random((7, PICKCUBE_OBS_DIM)).astype(np.float32)
+    obs[:, PICKCUBE_GRASPED] = [1, 0, 0, 1, 1, 1, 1]  # the replay's reset says grasped; the cube is held from step 3
+    ep = load_demos(write_demo_file(tmp_path / "d.h5", obs=obs))[0]
+    assert ep.obs[:, PICKCUBE_GRASPED].tolist() == [0, 0, 0, 1, 1, 1, 1]
+    assert np.array_equal(np.delete(ep.obs, PICKCUBE_GRASPED, axis=1), np.delete(obs, PICKCUBE_GRASPED, axis=1))
 
 
 def test_missing_demo_file_says_how_to_get_one(tmp_path):
