@@ -211,10 +211,7 @@ class ManiSkillVecEnv:
             obs, _ = self.env.reset(options={"env_idx": idx.to(self.device)})
         else:
             obs, _ = self.env.reset(seed=[int(s) for s in seeds], options={"reset_mask": mask.numpy()})
-        obs = self._tensor(obs).reshape(self.num_envs, -1)
-        started = mask.to(obs.device)
-        obs[started] = clear_grasp_at_reset(self.spec.env_id, obs[started])
-        return obs
+        return clear_grasp_at_reset(self.spec.env_id, self._tensor(obs).reshape(self.num_envs, -1))
 
     def step(self, action: torch.Tensor):
         """``action [N, A]`` -> ``obs [N, O], reward [N], terminated [N], truncated [N], success [N]``.
