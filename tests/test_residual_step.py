@@ -433,6 +433,16 @@ def test_the_carry_report_tells_a_slip_from_a_dropped_cube_and_from_one_held_off
     assert c["outcome"] == "slipped" and c["grasp_lost"] and c["grasped_steps"] == 3 and c["first_grasp_step"] == 2
     assert c["lost_at_step"] == 5 and c["offset_at_closest_cm"] == [0.0, -3.0, 6.5]
     assert c["closest_to_goal_cm"] == pytest.approx(100 * (0.03 ** 2 + 0.065 ** 2) ** 0.5, abs=0.05)
+    assert c["counted_steps"] == 0 and c["max_rise_cm"] == pytest.approx(1.5)  # fingers shut: the reward never counted it
+    fingers = obs.clone()
+    fingers[3, 7:9] = 0.02                                              # 4 cm apart after step 3 only
+    assert bench.carry_report(episode(fingers, np.zeros(T, bool)))["counted_steps"] == 1
+    assert bench.carry_report(episode(fingers, np.zeros(T, bool)), min_gap=0.045)["counted_steps"] == 0
+    assert bench.counted_to_lift(episode(fingers, np.zeros(T, bool)), 0.035) == 0  # counted with the cube 1.5 cm up
+    fingers[2:5, 7:9] = 0.02                                            # counted after steps 2-4, 1 cm up after step 3
+    assert bench.counted_to_lift(episode(fingers, np.zeros(T, bool)), 0.035) == 1
+    fingers[3, 31] = 0.025                                              # only 0.5 cm up: never the first centimetre
+    assert bench.counted_to_lift(episode(fingers, np.zeros(T, bool)), 0.035) is None
     obs[4, 31] = 0.05                                                   # after step 4 the cube is 3 cm up, grasped
     obs[:, 39:42] = obs[:, 26:29] - obs[:, 29:32]
     assert bench.lifted(obs).tolist() == [False, False, False, True, False, False]
