@@ -28,7 +28,8 @@ class Grasp(NamedTuple):
     """PickCube's grasp after a step, per env (``ChunkRunner._grasped``)."""
     flag: torch.Tensor   # [N] bool: the env's is_grasped
     held: torch.Tensor   # [N] bool: the flag with the fingers apart (>= grasp_min_gap)
-    reach: torch.Tensor  # [N]: 1 - tanh(5 |cube - gripper|)
+    reach: torch.Tensor  # [N]: 1 - tanh(5 |cube - gripper|), the dense reward's own reach term
+    to_cube: torch.Tensor  # [N]: |cube - gripper| (m)
     to_goal: torch.Tensor  # [N]: |goal - cube| (m)
 
 
@@ -49,9 +50,10 @@ class ChunkRunner:
     The logged return of ``"shaped"`` is its sparse part (1 if the episode succeeded).  ``success_bonus``
     ``B`` (``"dense"`` only) adds ``B`` to what learning sees at every step whose state counts as solved, so a
     success is worth ``1 + B`` per step against a near-miss's 0.5-0.8; the logged return stays the env's.
-    PickCube only: ``reach_weight`` ``w`` adds ``w reach(s')`` (1 once grasped) to the dense reward or to the
-    shaped reward's potential; ``grasp_min_gap`` ``g`` counts the env's contact-based ``is_grasped`` only while
-    the fingers are ``>= g`` apart, so a squeeze on the cube's edge earns what the approach earns, ``reach / 5``,
+    PickCube only: ``reach_weight`` ``w`` adds ``w (1 - tanh(k_r |cube - gripper|))`` (1 once grasped;
+    ``k_r`` = ``reach_sharpness``, ManiSkill's 5/m by default) to the dense reward or to the shaped reward's
+    potential; ``grasp_min_gap`` ``g`` counts the env's contact-based ``is_grasped`` only while the fingers are
+    ``>= g`` apart, so a squeeze on the cube's edge earns what the approach earns, ``reach / 5`` (ManiSkill's reach),
     not the grasp's ``(reach + 1 + place) / 5`` (``_grasped``); ``place_weight`` ``w_p`` adds
     ``w_p (1 - tanh(k |goal - cube|))`` (``k`` = ``place_sharpness``) while the grasp counts (or at success), likewise:
     the dense reward's place term, ``(1 - tanh(5 d)) / 5``, pays ~0.01 per step for a centimetre, too little for the
@@ -63,7 +65,8 @@ class ChunkRunner:
 
     def __init__(self, env, obs_horizon: int, gamma: float, reward: str = "sparse", first_seed: int = 2_000_000,
                  reward_scale: float = 1.0, success_bonus: float = 0.0, reach_weight: float = 0.0,
-                 grasp_min_gap: float = 0.0, place_weight: float = 0.0, place_sharpness: float = 20.0):
+                 grasp_min_gap: float = 0.0, place_weight: float = 0.0, place_sharpness: float = 20.0,
+                 reach_sharpness: float = 5.0):
         if reward not in REWARDS:
             raise ValueError(f"reward must be one of {REWARDS}, got {reward!r}")
         if success_bonus and reward != "dense":
@@ -77,6 +80,7 @@ class ChunkRunner:
         self.env, self.obs_horizon, self.gamma, self.reward = env, obs_horizon, gamma, reward
         self.reward_scale, self.success_bonus, self.reach_weight = reward_scale, success_bonus, reach_weight
         self.grasp_min_gap, self.place_weight, self.place_sharpness = grasp_min_gap, place_weight, place_sharpness
+        self.reach_sharpness = reach_sharpness
         N = env.num_envs
         self.next_seed = first_seed + N
         obs = env.reset(seed=first_seed)
@@ -171,7 +175,8 @@ class ChunkRunner:
             r_learn = torch.where(grasped.flag & ~grasped.held & ~success, grasped.reach / 5, r)
         terms = 0.0  # the reach and place terms
         if self.reach_weight:
-            terms = self.reach_weight * torch.where(grasped.held | success, 1.0, grasped.reach)
+            reach = 1 - torch.tanh(self.reach_sharpness * grasped.to_cube)
+            terms = self.reach_weight * torch.where(grasped.held | success, 1.0, reach)
         if self.place_weight:
             place = 1 - torch.tanh(self.place_sharpness * grasped.to_goal)
             terms = terms + self.place_weight * torch.where(grasped.held | success, place, 0.0)
@@ -185,8 +190,8 @@ class ChunkRunner:
     def _grasped(self, obs: torch.Tensor) -> Grasp:
         """PickCube's grasp after a step, per env: ``flag`` (the env's ``is_grasped``, read off contact forces: it
         also fires while the fingers squeeze an edge of the cube and slide off it), ``held`` (the flag with the
-        fingers >= ``grasp_min_gap`` apart: across the cube's faces), ``reach = 1 - tanh(5 |cube - gripper|)``
-        and ``to_goal = |goal - cube|`` from the observation ``obs [N, 42]``."""
+        fingers >= ``grasp_min_gap`` apart: across the cube's faces), ``reach = 1 - tanh(5 |cube - gripper|)``,
+        ``to_cube = |cube - gripper|`` and ``to_goal = |goal - cube|`` from the observation ``obs [N, 42]``."""
         flags = getattr(self.env, "task_flags", {})
         if "is_grasped" not in flags:
             raise ValueError(f"reach_weight / grasp_min_gap / place_weight need the env's is_grasped flag "
@@ -196,8 +201,8 @@ class ChunkRunner:
                              f"({PICKCUBE_OBS_DIM} dims), got {obs.shape[-1]}: set them to 0.0")
         flag = flags["is_grasped"].cpu()
         held = flag & (obs[:, PICKCUBE_FINGERS].sum(1) >= self.grasp_min_gap)
-        reach = 1 - torch.tanh(5 * obs[:, PICKCUBE_TCP_TO_OBJ].norm(dim=1))
-        return Grasp(flag, held, reach, obs[:, PICKCUBE_OBJ_TO_GOAL].norm(dim=1))
+        to_cube = obs[:, PICKCUBE_TCP_TO_OBJ].norm(dim=1)
+        return Grasp(flag, held, 1 - torch.tanh(5 * to_cube), to_cube, obs[:, PICKCUBE_OBJ_TO_GOAL].norm(dim=1))
 
     def step_branches(self, actions: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         """Try ``M`` chunks ``actions [M, N, Ta, A]`` from the current state of every env: branch ``m < M-1``

@@ -93,7 +93,8 @@
 # `reach_weight` $w$ (PickCube) adds $w \cdot \mathrm{reach}(s')$, ManiSkill's reaching term
 # $1 - \tanh(5\,\lVert p_{\rm cube} - p_{\rm gripper}\rVert)$ (1 once grasped), to the dense reward or to the
 # shaped reward's potential: the dense reward pays only $\mathrm{reach}/5$ for the approach, a few thousandths
-# per step for closing in on a cube the gripper is about to miss. ManiSkill's `is_grasped` reads contact forces,
+# per step for closing in on a cube the gripper is about to miss (`reach_sharpness` $k_r$ replaces the 5 of the
+# added term only: at $k_r = 20$ the last 3 cm pay 0.5 of it). ManiSkill's `is_grasped` reads contact forces,
 # so it also fires while the fingers squeeze an edge of the cube and slide off it; `grasp_min_gap` $g$ counts it
 # (in the dense reward's grasp and place terms and in the reach term) only while the fingers are $\geq g$ apart,
 # across the 4 cm cube, and pays a squeeze on the edge $\mathrm{reach}/5$, as for the approach.
@@ -172,7 +173,8 @@ backend = "auto"
 reward = "sparse"
 reward_scale = 1.0
 success_bonus = 0.0
-reach_weight = 0.0  # PickCube, dense or shaped: weight on the reach term 1 - tanh(5 d) (learning only)
+reach_weight = 0.0  # PickCube, dense or shaped: weight on the reach term 1 - tanh(k_r d) (learning only)
+reach_sharpness = 5.0  # k_r of that reach term (1/m; ManiSkill's own is 5)
 grasp_min_gap = 0.0  # PickCube, dense or shaped: a grasp counts only with the fingers this far apart (m)
 place_weight = 0.0  # PickCube, dense or shaped: weight on a steep place term 1 - tanh(k d) while grasped
 place_sharpness = 20.0  # k of that place term (1/m)

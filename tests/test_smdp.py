@@ -198,6 +198,26 @@ def test_reach_weight_adds_the_reach_term_to_the_dense_reward_and_to_the_shaped_
         reinflow.ReinFlowConfig(reward="dense", reach_weight=-1.0)
 
 
+def test_reach_sharpness_steepens_the_added_reach_term_and_leaves_the_dense_rewards_own():
+    """Grasp at step 4 with the fingers 1 cm apart until step 5 (a squeeze on the edge), success at 7, the gripper
+    10 / t cm from the cube.  With reach_sharpness k the added term is w (1 - tanh(k d)) until the grasp counts,
+    1 from it; the dense reward's own reach / 5 (ManiSkill's k = 5), which also pays the squeeze, does not change."""
+    gamma, w, k = 0.8, 2.0, 20.0
+    gap = lambda t: 0.01 if t in (4, 5) else 0.04
+    env = Approach(4, 7, gap=gap)
+    held = [env.reach(t) / 5 for t in (1, 2, 3, 4, 5)] + [0.5, 1.0]  # after steps 1..7, the squeeze paid as reach / 5
+    steep = [1 - math.tanh(k * 0.1 / t) for t in range(1, 6)] + [1.0, 1.0]
+    assert steep[2] < 0.5 < env.reach(3)  # 3.3 cm: 0.42 against ManiSkill's 0.84
+    runner = smdp.ChunkRunner(Approach(4, 7, gap=gap), 2, gamma, reward="dense", reach_weight=w,
+                              grasp_min_gap=0.035, reach_sharpness=k)
+    out = runner.step_chunk(torch.zeros(1, 7, ACT_DIM))
+    assert out["reward"].item() == pytest.approx(sum(gamma ** i * (held[i] + w * steep[i]) for i in range(7)))
+    default = smdp.ChunkRunner(Approach(4, 7, gap=gap), 2, gamma, reward="dense", reach_weight=w, grasp_min_gap=0.035)
+    assert default.step_chunk(torch.zeros(1, 7, ACT_DIM))["reward"].item() > out["reward"].item()  # k = 5 pays more
+    with pytest.raises(ValueError, match="'reach_sharpness' = 0.0: should be greater than 0"):
+        reinflow.ReinFlowConfig(reward="dense", reach_weight=1.0, reach_sharpness=0.0)
+
+
 def test_grasp_min_gap_pays_a_squeeze_on_the_edge_what_the_approach_pays_and_a_grasp_across_the_cube_in_full():
     """The flag fires at step 3; the fingers are 1 cm apart at steps 3-4 (a squeeze on the cube's edge), 4 cm from
     step 5; success at 7.  With grasp_min_gap 3.5 cm learning sees reach / 5 (+ w reach) at steps 3-4 instead
