@@ -135,8 +135,8 @@ class ReinFlowConfig:
     reach_weight: NonNegativeFloat = 0.0  # PickCube, reward "dense" / "shaped": learning's reward (dense) or potential
                                           # (shaped) adds reach_weight * (1 - tanh(reach_sharpness |cube - gripper|)),
                                           # 1 once grasped
-    reach_sharpness: PositiveFloat = 5.0  # 1/m; 5 is ManiSkill's own reach term (0.85 at 3 cm); 20 makes the last
-                                          # centimetres of the approach pay (0.46 at 3 cm, 0.80 at 1 cm)
+    reach_sharpness: PositiveFloat = 5.0  # 1/m; 5 is ManiSkill's own reach term (0.85 at 3 cm); 20 (cpu.yaml's) makes
+                                          # the last centimetres of the approach pay (0.46 at 3 cm, 0.80 at 1 cm)
     grasp_min_gap: NonNegativeFloat = 0.0  # PickCube, reward "dense" / "shaped": learning counts a grasp (is_grasped,
                                            # in the dense reward's grasp / place terms and the reach term) only while the
                                            # fingers are >= this far apart (m; the cube is 4 cm, a squeeze on its edge

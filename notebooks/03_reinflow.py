@@ -93,11 +93,12 @@
 # `reach_weight` $w$ (PickCube) adds $w \cdot \mathrm{reach}(s')$, ManiSkill's reaching term
 # $1 - \tanh(5\,\lVert p_{\rm cube} - p_{\rm gripper}\rVert)$ (1 once grasped), to the dense reward or to the
 # shaped reward's potential: the dense reward pays only $\mathrm{reach}/5$ for the approach, a few thousandths
-# per step for closing in on a cube the gripper is about to miss (`reach_sharpness` $k_r$ replaces the 5 of the
-# added term only: at $k_r = 20$ the last 3 cm pay 0.5 of it). ManiSkill's `is_grasped` reads contact forces,
-# so it also fires while the fingers squeeze an edge of the cube and slide off it; `grasp_min_gap` $g$ counts it
-# (in the dense reward's grasp and place terms and in the reach term) only while the fingers are $\geq g$ apart,
-# across the 4 cm cube, and pays a squeeze on the edge $\mathrm{reach}/5$, as for the approach.
+# per step for closing in on a cube the gripper is about to miss (`reach_sharpness` $k_r$ replaces the 5 of
+# the added term only: at $k_r = 20$, `cpu.yaml`'s, the last 3 cm pay 0.5 of it). ManiSkill's `is_grasped` reads
+# contact forces, so it also fires while the fingers squeeze an edge of the cube and slide off it;
+# `grasp_min_gap` $g$ counts it (in the dense reward's grasp and place terms and in the reach term) only while the
+# fingers are $\geq g$ apart, across the 4 cm cube, and pays a squeeze on the edge $\mathrm{reach}/5$, as for the
+# approach.
 # `place_weight` $w_p$ adds $w_p\,(1 - \tanh(k\,\lVert p_{\rm goal} - p_{\rm cube}\rVert))$ while the grasp counts
 # ($k$ = `place_sharpness`, 20/m): the dense reward's own place term, $(1 - \tanh(5 d))/5$, pays about 0.01 per
 # step for a centimetre, which a critic does not tell apart from its noise when the cube hangs 3 cm above the goal;
