@@ -77,6 +77,7 @@ class AWShortCutConfig:
     weight_decay: NonNegativeFloat = 1e-6
     warmup_steps: NonNegativeInt = 20
     ckpt_every: PositiveInt = 100
+    keep_every: NonNegativeInt = 0      # also keep step_<N>.pt every keep_every steps (0: none)
     log_every: PositiveInt = 25
     eval_every: NonNegativeInt = 0
     select_inference_steps: PositiveInt = 4

@@ -68,6 +68,7 @@ class ShortCutBCConfig:
     weight_decay: NonNegativeFloat = 1e-6
     warmup_steps: NonNegativeInt = 50
     ckpt_every: PositiveInt = 100
+    keep_every: NonNegativeInt = 0      # also keep step_<N>.pt every keep_every steps (0: none), e.g. to pick a start
     log_every: PositiveInt = 25
     eval_every: NonNegativeInt = 0      # 0: evaluate only at the end
     select_inference_steps: PositiveInt = 4  # K whose success_once picks best_model.pt
@@ -312,7 +313,7 @@ def train(cfg, dataset: ChunkDataset, run_path: Path, tracker=None, env=None,
     """ShortCut BC with EMA, AdamW, warm-up + cosine LR; checkpoints ``last.pt`` / ``best_model.pt``.
 
     ``cfg`` is a ``ShortCutBCConfig`` or any config with its training-loop fields (seed,
-    train_steps, batch_size, lr, weight_decay, warmup_steps, ckpt_every, log_every, eval_every,
+    train_steps, batch_size, lr, weight_decay, warmup_steps, ckpt_every, keep_every, log_every, eval_every,
     num_eval_episodes, val_seed, select_inference_steps, resume).  Stage 2 passes the stage-1 ``policy`` to
     start from, per-sample ``weights`` (``[N]``, aligned with ``dataset.tensors``) and ``extra``
     entries (the critic) stored in every checkpoint.  Trains on CUDA when present, else on CPU.
@@ -320,7 +321,9 @@ def train(cfg, dataset: ChunkDataset, run_path: Path, tracker=None, env=None,
     With ``cfg.resume`` and an existing ``<run>/last.pt`` of the same settings, training continues
     from its step (a finished run just reloads).  With ``env`` and ``cfg.eval_every``, the EMA policy
     is evaluated periodically; ``best_model.pt`` keeps the best ``success_once`` at
-    ``select_inference_steps`` (the last checkpoint if there is no periodic evaluation).
+    ``select_inference_steps`` (the last checkpoint if there is no periodic evaluation).  With
+    ``cfg.keep_every``, ``step_<N>.pt`` is kept every ``keep_every`` steps as well (loadable like ``best_model.pt``);
+    writing them draws no random numbers, so the run is the same with or without them.
     """
     run_path = Path(run_path)
     torch.manual_seed(cfg.seed)
@@ -383,6 +386,8 @@ def train(cfg, dataset: ChunkDataset, run_path: Path, tracker=None, env=None,
             if result["success_once"] > best["success_once"]:
                 best = {"success_once": result["success_once"], "step": step}
                 save(run_path / "best_model.pt", step=step, best=best)
+        if cfg.keep_every and step % cfg.keep_every == 0:
+            save(run_path / f"step_{step}.pt", step=step, best=best)
         if step % cfg.ckpt_every == 0 or step == cfg.train_steps:
             save(last, step=step, best=best)
     bar.close()

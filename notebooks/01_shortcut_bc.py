@@ -75,6 +75,7 @@ lr = 0.001
 weight_decay = 1e-06
 warmup_steps = 50
 ckpt_every = 100
+keep_every = 0
 log_every = 25
 eval_every = 0
 select_inference_steps = 4

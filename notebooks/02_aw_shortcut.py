@@ -91,6 +91,7 @@ lr = 0.0003
 weight_decay = 1e-06
 warmup_steps = 20
 ckpt_every = 100
+keep_every = 0
 log_every = 25
 eval_every = 0
 select_inference_steps = 4

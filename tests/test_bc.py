@@ -106,6 +106,23 @@ def test_checkpoint_round_trip_gives_the_same_actions(tmp_path):
     assert (tmp_path / "best_model.pt").exists()
 
 
+def test_keep_every_keeps_each_steps_policy_and_leaves_the_run_unchanged(tmp_path):
+    """``step_<N>.pt`` holds the policy as it was at step N, and keeping them changes nothing about the run."""
+    dataset = ChunkDataset(random_episodes(), 2, 16)
+    plain, _ = bc.train(tiny_cfg(), dataset, tmp_path / "plain")
+    kept, _ = bc.train(tiny_cfg(keep_every=5), dataset, tmp_path / "kept")
+    assert sorted(p.name for p in (tmp_path / "kept").glob("step_*.pt")) == [f"step_{n}.pt" for n in (10, 15, 20, 5)]
+    assert not list((tmp_path / "plain").glob("step_*.pt"))
+    for p, q in zip(plain.flow.parameters(), kept.flow.parameters()):
+        assert torch.equal(p, q)
+    at_end = bc.load_policy(tmp_path / "kept" / "step_20.pt")
+    for p, q in zip(kept.cpu().flow.parameters(), at_end.flow.parameters()):
+        assert torch.equal(p, q)
+    assert bc.read_checkpoint(tmp_path / "kept" / "step_10.pt")["step"] == 10
+    mid = bc.load_policy(tmp_path / "kept" / "step_10.pt")
+    assert any(not torch.equal(p, q) for p, q in zip(mid.flow.parameters(), at_end.flow.parameters()))
+
+
 def test_a_killed_run_resumes_from_last_and_ends_where_an_unbroken_run_ends(tmp_path):
     dataset = ChunkDataset(random_episodes(), 2, 16)
     cfg = tiny_cfg()
