@@ -59,6 +59,7 @@ class ShortCutBCConfig:
     act_horizon: PositiveInt = 8
     down_dims: list[PositiveInt] = field(default_factory=lambda: [32, 64])
     emb_dim: PositiveInt = 32
+    obs_emb_dim: NonNegativeInt = 0     # 0: the flat obs window conditions the U-Net; > 0: an MLP obs_encoder first
     shortcut_max_steps: PositiveInt = 8  # d_min = 1 / shortcut_max_steps
     bootstrap_fraction: Fraction = 0.25
     ema_decay: Fraction = 0.995
@@ -131,7 +132,8 @@ def build_policy(meta: dict[str, Any], obs_normalizer: Normalizer | None = None,
     """A fresh policy from checkpoint metadata (dims, horizons, net and ShortCut sizes).  The policy keeps copies
     of the normalisers it is given: moving it to a GPU leaves the dataset's (and a critic built from them) on the CPU."""
     net = ShortCutVelocityUNet1D(meta["action_dim"], meta["obs_dim"], meta["obs_horizon"], meta["pred_horizon"],
-                                 down_dims=tuple(meta["down_dims"]), emb_dim=meta["emb_dim"])
+                                 down_dims=tuple(meta["down_dims"]), emb_dim=meta["emb_dim"],
+                                 obs_emb_dim=meta["obs_emb_dim"])
     flow = ShortCut(net, ema_decay=meta["ema_decay"], max_steps=meta["shortcut_max_steps"],
                     bootstrap_fraction=meta["bootstrap_fraction"])
     obs_normalizer = Normalizer(meta["obs_dim"]) if obs_normalizer is None else copy.deepcopy(obs_normalizer)
@@ -143,7 +145,7 @@ def policy_meta(cfg: ShortCutBCConfig, dataset: ChunkDataset, control_mode: str)
     return {"env_id": cfg.env_id, "control_mode": control_mode, "obs_dim": dataset.obs_dim,
             "action_dim": dataset.action_dim, "obs_horizon": cfg.obs_horizon, "pred_horizon": cfg.pred_horizon,
             "act_horizon": cfg.act_horizon, "down_dims": list(cfg.down_dims), "emb_dim": cfg.emb_dim,
-            "ema_decay": cfg.ema_decay, "shortcut_max_steps": cfg.shortcut_max_steps,
+            "obs_emb_dim": cfg.obs_emb_dim, "ema_decay": cfg.ema_decay, "shortcut_max_steps": cfg.shortcut_max_steps,
             "bootstrap_fraction": cfg.bootstrap_fraction}
 
 
@@ -174,11 +176,21 @@ def save_checkpoint(path: Path, policy: FlowPolicy, optimizer, scheduler, step: 
     }, path)
 
 
+# Metadata keys added after the first checkpoints were written, with the value those checkpoints mean.
+META_DEFAULTS = {"obs_emb_dim": 0}
+
+
+def complete_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` with the keys of ``META_DEFAULTS`` it lacks: an older checkpoint loads, resumes and compares as
+    the same policy written today."""
+    return {**META_DEFAULTS, **meta}
+
+
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
     ckpt = load_torch(path, "train one with notebook 01 (python -m flowlib.run 01_shortcut_bc) or check the run folder")
     if not isinstance(ckpt, dict) or ckpt.get("format") not in POLICY_FORMATS:
         raise ValueError(f"{path} is not a flowlib flow-policy checkpoint (formats {POLICY_FORMATS})")
-    return ckpt
+    return {**ckpt, "meta": complete_meta(ckpt["meta"])}
 
 
 def load_policy(path: str | Path, spec=None) -> FlowPolicy:

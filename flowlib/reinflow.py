@@ -157,6 +157,8 @@ class ReinFlowConfig:
     # what PPO moves: "chain" (ReinFlow: the velocity net, through the noisy chain) or "latent" (flowlib.latent:
     # a Gaussian policy over x_0, the flow frozen, DSRL's idea; max/min/final_noise_std are then the latent's std)
     steer: str = "chain"
+    freeze_obs_encoder: bool = False    # steer "chain": PPO leaves the velocity net's obs_encoder (a stage-1 policy
+                                        # trained with obs_emb_dim > 0) as stage 1/2 left it and moves the rest
     latent_bound: PositiveFloat = 2.5   # steer "latent": |mu(o)| <= latent_bound per dim of x_0
     # the hidden layers of steer "latent"'s policy, also of steer "residual"'s and "residual_step"'s
     latent_hidden_dims: list[PositiveInt] = dataclasses.field(default_factory=lambda: [256, 256])
@@ -278,6 +280,9 @@ class ReinFlowConfig:
              f"actor_optimizer must be 'adam' or 'sgd', got {self.actor_optimizer!r}"),
             (self.noise_method in METHODS, f"noise_method must be one of {METHODS}, got {self.noise_method!r}"),
             (self.steer in STEER, f"steer must be one of {STEER}, got {self.steer!r}"),
+            (not self.freeze_obs_encoder or self.steer == "chain",
+             f"freeze_obs_encoder applies to steer 'chain' (got steer {self.steer!r}, which keeps the whole flow "
+             f"frozen): set freeze_obs_encoder: false"),
             (self.residual_per in RESIDUAL_PER, f"residual_per must be one of {RESIDUAL_PER}, got {self.residual_per!r}"),
             (self.residual_gripper or self.steer == "residual_step",
              f"residual_gripper False is an option of steer 'residual_step' (got steer {self.steer!r})"),
@@ -426,7 +431,12 @@ def start_problem(cfg: ReinFlowConfig) -> str:
         path = init_checkpoint_path(cfg)
     except FileNotFoundError:
         return ""
-    max_steps = _start_meta(str(path), path.stat().st_mtime)["shortcut_max_steps"]
+    meta = _start_meta(str(path), path.stat().st_mtime)
+    if cfg.freeze_obs_encoder and not meta["obs_emb_dim"]:
+        return (f"freeze_obs_encoder is set, but the start {path} has no obs_encoder (its U-Net reads the flat "
+                f"observation window: stage 1 ran with obs_emb_dim 0): train stage 1 with obs_emb_dim > 0 "
+                f"(e.g. -p obs_emb_dim=64) or set freeze_obs_encoder: false")
+    max_steps = meta["shortcut_max_steps"]
     if cfg.num_inference_steps > max_steps:
         return (f"num_inference_steps = {cfg.num_inference_steps}, but the start {path} is a ShortCut trained "
                 f"for at most {max_steps} steps: train it with shortcut_max_steps >= {cfg.num_inference_steps} "
@@ -461,7 +471,8 @@ def _agent(policy, cfg: ReinFlowConfig) -> ReinFlowAgent:
                              tuple(cfg.value_hidden_dims), cfg.residual_bound, tuple(cfg.latent_hidden_dims),
                              cfg.residual_per, **common)
     return ReinFlowAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
-                         tuple(cfg.value_hidden_dims), noise_level=cfg.noise_level, **common)
+                         tuple(cfg.value_hidden_dims), noise_level=cfg.noise_level,
+                         freeze_obs_encoder=cfg.freeze_obs_encoder, **common)
 
 
 def build_agent(cfg: ReinFlowConfig, path: Path, spec=None) -> tuple[ReinFlowAgent, str]:
@@ -494,7 +505,7 @@ def read_agent_checkpoint(path: str | Path) -> dict:
     ckpt = load_torch(path, "train one with notebook 03 (python -m flowlib.run 03_reinflow)")
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path} is not a ReinFlow checkpoint (format {CHECKPOINT_FORMAT})")
-    return ckpt
+    return {**ckpt, "meta": bc.complete_meta(ckpt["meta"])}
 
 
 def checkpoint_config(ckpt: dict, overrides: dict | None = None) -> ReinFlowConfig:

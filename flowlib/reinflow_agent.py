@@ -135,6 +135,10 @@ class ReinFlowAgent(nn.Module):
     ``Cov = sigma^2 ((1 - rho) I + rho 1 1^T)`` per action dim, and scored with that density
     (``flow_sde.gaussian_log_prob``).  Independent noise (``rho = 0``) of a few mm per env step averages
     out within a chunk and is corrected by the next; correlated noise moves the whole chunk.
+
+    ``freeze_obs_encoder``: the velocity net's ``obs_encoder`` (``ShortCutVelocityUNet1D``, stage 1's
+    ``obs_emb_dim > 0``) takes no gradient and is left out of ``policy_parameters``; PPO moves the rest of the
+    net and the noise net.  The seam where a pretrained visual encoder stays fixed while the flow is fine-tuned.
     """
 
     def __init__(self, policy, num_inference_steps: int = 8, min_noise_std: float = 0.01,
@@ -142,7 +146,8 @@ class ReinFlowAgent(nn.Module):
                  include_initial_noise: bool = False, noise_hidden: int = 128, log_prob_over: str = "chunk",
                  noise_method: str = "reinflow", noise_level: float = 0.5, hybrid: bool = False,
                  log_prob_reduce: str = "sum", critic_input: str = "obs", detach_critic_input: bool = True,
-                 act_horizon: int | None = 0, obs_clip: float = 5.0, noise_corr: float = 0.0):
+                 act_horizon: int | None = 0, obs_clip: float = 5.0, noise_corr: float = 0.0,
+                 freeze_obs_encoder: bool = False):
         super().__init__()
         check_method(noise_method)
         for name, value, allowed in (("log_prob_over", log_prob_over, LOG_PROB_OVER),
@@ -179,6 +184,12 @@ class ReinFlowAgent(nn.Module):
         self.include_initial_noise = include_initial_noise or noise_method == "flow_noise"
         self.log_prob_over = log_prob_over
         self.explore: torch.Generator | None = None  # set: act() samples the noisy chain with it (evaluate --noisy)
+        if freeze_obs_encoder:
+            if getattr(flow.net, "obs_encoder", None) is None:
+                raise ValueError("freeze_obs_encoder needs a velocity net with an obs_encoder; this policy reads the "
+                                 "flat observation window (stage 1 ran with obs_emb_dim 0): train stage 1 with "
+                                 "obs_emb_dim > 0 or set freeze_obs_encoder: false")
+            flow.net.obs_encoder.requires_grad_(False)
 
     def _executed(self, x: torch.Tensor) -> torch.Tensor:  # [P, H, A] -> [P, Ta, A]
         start = self.obs_horizon - 1
@@ -218,8 +229,8 @@ class ReinFlowAgent(nn.Module):
         return gaussian_log_prob(x0, torch.zeros_like(x0), torch.ones_like(x0))
 
     # parameter groups
-    def policy_parameters(self):
-        return list(self.actor.parameters())
+    def policy_parameters(self):  # what PPO moves: the velocity and noise nets, less a frozen obs_encoder
+        return [p for p in self.actor.parameters() if p.requires_grad]
 
     def value_parameters(self):
         return list(self.value_net.parameters())

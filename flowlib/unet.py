@@ -3,15 +3,16 @@
 The architecture is Diffusion Policy's ``ConditionalUnet1D`` (Chi et al. 2023, Sec. 3.2 and
 Fig. 2): residual Conv1d blocks over the time axis of the chunk, FiLM-conditioned (per-channel
 scale and bias, Perez et al. 2018) on a global condition, here the embeddings of the flow time
-``t``, the step size ``d`` and the flattened observation window.  Interface as every flowlib net:
-``net(x [B, H, A], t [B], d [B], obs [B, To, O]) -> velocity [B, H, A]``.
+``t``, the step size ``d`` and the observation window: flattened as it is, or through an ``obs_encoder``
+(an MLP here, where a visual encoder would go), which stage 3 can keep frozen (``freeze_obs_encoder``).
+Interface as every flowlib net: ``net(x [B, H, A], t [B], d [B], obs [B, To, O]) -> velocity [B, H, A]``.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-from .nets import SinusoidalEmbedding
+from .nets import SinusoidalEmbedding, mlp
 
 
 class Conv1dBlock(nn.Sequential):
@@ -44,11 +45,14 @@ class ShortCutVelocityUNet1D(nn.Module):
     ``down_dims`` sets the channel widths of the levels (each but the last halves ``H``, so ``H``
     must be divisible by ``2 ** (len(down_dims) - 1)``).  ``emb_dim`` is the width of the ``t`` / ``d``
     embedding; ``emb_scale`` the time-embedding scale (see ``flowlib.nets.SinusoidalEmbedding``).
+    ``obs_emb_dim``: 0 (the default, and every checkpoint before it) feeds the flattened window ``[B, To * O]``
+    to FiLM as it is, with no ``obs_encoder``; ``> 0`` first maps it through ``obs_encoder``, a two-layer MLP
+    ``[B, To * O] -> [B, obs_emb_dim]``: the one module that reads the observation, so it can be frozen alone.
     """
 
     def __init__(self, action_dim: int, obs_dim: int, obs_horizon: int = 2, pred_horizon: int = 16,
                  down_dims: tuple[int, ...] = (64, 128, 256), emb_dim: int = 64, kernel_size: int = 5,
-                 n_groups: int = 8, emb_scale: float = 100.0):
+                 n_groups: int = 8, emb_scale: float = 100.0, obs_emb_dim: int = 0):
         super().__init__()
         levels = len(down_dims)
         if pred_horizon % (2 ** (levels - 1)):
@@ -57,7 +61,9 @@ class ShortCutVelocityUNet1D(nn.Module):
         self.t_emb = SinusoidalEmbedding(emb_dim, scale=emb_scale)
         self.d_emb = SinusoidalEmbedding(emb_dim, scale=emb_scale)
         self.time_mlp = nn.Sequential(nn.Linear(2 * emb_dim, 4 * emb_dim), nn.Mish(), nn.Linear(4 * emb_dim, emb_dim))
-        cond_dim = emb_dim + obs_horizon * obs_dim
+        obs_in = obs_horizon * obs_dim
+        self.obs_encoder = mlp([obs_in, obs_emb_dim, obs_emb_dim], act=nn.Mish) if obs_emb_dim > 0 else None
+        cond_dim = emb_dim + (obs_emb_dim if obs_emb_dim > 0 else obs_in)
         dims = [action_dim, *down_dims]
         self.down = nn.ModuleList()
         for i, (c_in, c_out) in enumerate(zip(dims[:-1], dims[1:])):
@@ -86,7 +92,8 @@ class ShortCutVelocityUNet1D(nn.Module):
         if obs is None or obs.shape[1:] != (self.obs_horizon, self.obs_dim):
             got = None if obs is None else tuple(obs.shape)
             raise ValueError(f"obs must be [B, {self.obs_horizon}, {self.obs_dim}], got {got}")
-        cond = torch.cat([self.time_mlp(torch.cat([self.t_emb(t), self.d_emb(d)], -1)), obs.reshape(B, -1)], -1)
+        obs_emb = obs.reshape(B, -1) if self.obs_encoder is None else self.obs_encoder(obs.reshape(B, -1))
+        cond = torch.cat([self.time_mlp(torch.cat([self.t_emb(t), self.d_emb(d)], -1)), obs_emb], -1)
         h = x.transpose(1, 2)  # [B, A, H]
         skips = []
         for res1, res2, down in self.down:

@@ -66,6 +66,7 @@ pred_horizon = 16
 act_horizon = 8
 down_dims = [32, 64]
 emb_dim = 32
+obs_emb_dim = 0  # > 0: an MLP obs_encoder [To*O] -> [obs_emb_dim] before FiLM (stage 3 can freeze it)
 shortcut_max_steps = 8
 bootstrap_fraction = 0.25
 ema_decay = 0.995

@@ -190,6 +190,7 @@ log_prob_over = "chunk"
 steer = "chain"  # "latent": PPO on a Gaussian policy over x_0 (flowlib.latent); "residual": on a correction of the
                  # executed actions (flowlib.residual); "residual_step": TD3 on a per-step correction
                  # (flowlib.residual_step, learner "td3"); all three keep the flow frozen
+freeze_obs_encoder = False  # steer "chain": keep the velocity net's obs_encoder (stage 1's obs_emb_dim > 0) fixed
 latent_bound = 2.5
 latent_hidden_dims = [256, 256]
 residual_bound = 0.5

@@ -49,6 +49,46 @@ def test_unet_rejects_wrong_shapes_with_the_expected_ones():
         ShortCutVelocityUNet1D(ACT_DIM, OBS_DIM, 2, 10, down_dims=(8, 16, 32))
 
 
+def test_an_obs_encoder_is_the_one_module_that_reads_the_observation():
+    """With ``obs_emb_dim`` the window reaches FiLM only through ``obs_encoder`` ``[B, To * O] -> [B, obs_emb_dim]``:
+    two windows give different velocities, and the same once the encoder maps both to one code."""
+
+    class Constant(torch.nn.Module):
+        def forward(self, flat):  # [B, To * O] -> [B, 12]
+            return torch.ones(flat.shape[0], 12)
+
+    torch.manual_seed(0)
+    net = ShortCutVelocityUNet1D(ACT_DIM, OBS_DIM, 2, 16, down_dims=(8, 16), emb_dim=8, obs_emb_dim=12)
+    assert ShortCutVelocityUNet1D(ACT_DIM, OBS_DIM, 2, 16, down_dims=(8, 16), emb_dim=8).obs_encoder is None
+    x, t, obs, other = torch.randn(3, 16, ACT_DIM), torch.rand(3), torch.randn(3, 2, OBS_DIM), torch.randn(3, 2, OBS_DIM)
+    assert net.obs_encoder(obs.flatten(1)).shape == (3, 12)
+    with torch.no_grad():
+        assert not torch.allclose(net(x, t, t, obs), net(x, t, t, other))
+        net.obs_encoder = Constant()
+        torch.testing.assert_close(net(x, t, t, obs), net(x, t, t, other))
+    with pytest.raises(ValueError, match=r"obs must be \[B, 2, 42\]"):
+        net(x, t, t, torch.randn(3, 3, OBS_DIM))
+
+
+def test_a_checkpoint_from_before_obs_emb_dim_loads_and_resumes_as_the_same_policy(tmp_path, capsys):
+    """Checkpoints written before ``obs_emb_dim`` existed have no such key; they mean 0 (no encoder), so they load,
+    and ``bc.train`` resumes them rather than calling them a run of other settings."""
+    dataset = ChunkDataset(random_episodes(), 2, 16)
+    cfg = tiny_cfg(train_steps=4, ckpt_every=2)
+    policy, _ = bc.train(cfg, dataset, tmp_path)
+    ckpt = torch.load(tmp_path / "last.pt", weights_only=False)
+    assert ckpt["meta"]["obs_emb_dim"] == 0
+    del ckpt["meta"]["obs_emb_dim"]
+    torch.save(ckpt, tmp_path / "last.pt")
+    assert bc.read_checkpoint(tmp_path / "last.pt")["meta"] == bc.policy_meta(cfg, dataset, "pd_ee_delta_pos")
+    old = bc.load_policy(tmp_path / "last.pt")
+    assert old.flow.net.obs_encoder is None
+    capsys.readouterr()
+    bc.train(tiny_cfg(train_steps=6, ckpt_every=2), dataset, tmp_path)
+    assert "at step 4" in capsys.readouterr().out  # resumed, not refused or restarted
+    assert bc.read_checkpoint(tmp_path / "last.pt")["step"] == 6
+
+
 def test_config_rejects_inconsistent_horizons_and_steps():
     with pytest.raises(ValueError, match="act_horizon"):
         bc.ShortCutBCConfig(act_horizon=16)

@@ -22,7 +22,7 @@ OBS_DIM, ACT_DIM = 42, 4  # PickCube-v1, state obs, pd_ee_delta_pos
 REPO = Path(__file__).resolve().parents[1]
 
 
-def tiny_policy(seed=0):
+def tiny_policy(seed=0, obs_emb_dim=0):
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     eps = []
@@ -33,7 +33,7 @@ def tiny_policy(seed=0):
                            rng.uniform(-1, 1, size=(T, ACT_DIM)).astype(np.float32), np.zeros(T, np.float32),
                            f, f.copy(), f.copy()))
     dataset = ChunkDataset(eps, 2, 16)
-    cfg = bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8)
+    cfg = bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8, obs_emb_dim=obs_emb_dim)
     return bc.build_policy(bc.policy_meta(cfg, dataset, "pd_ee_delta_pos"), dataset.obs_normalizer,
                            dataset.action_normalizer), dataset
 
@@ -210,6 +210,39 @@ def test_critic_warmup_leaves_the_policy_unchanged_and_trains_the_value():
     assert any(not torch.equal(before[k], v) for k, v in agent.actor.state_dict().items())
 
 
+@pytest.mark.parametrize("freeze", [True, False])
+def test_a_frozen_obs_encoder_stays_as_stage_1_left_it_while_ppo_moves_the_rest_of_the_net(freeze):
+    policy, dataset = tiny_policy(obs_emb_dim=8)
+    cfg = reinflow.ReinFlowConfig(num_inference_steps=4, value_hidden_dims=[16], minibatch_size=5, update_epochs=2,
+                                  freeze_obs_encoder=freeze)
+    agent = reinflow._agent(policy, cfg)
+    obs = torch.stack([dataset[i][0] for i in range(5)])
+    encoder, rest = agent.actor.base.obs_encoder, agent.actor.base.down
+    assert {id(p) for p in encoder.parameters()}.isdisjoint(map(id, agent.policy_parameters())) is freeze
+    before = [p.clone() for p in (*encoder.parameters(), *rest.parameters())]
+    opt_a = torch.optim.Adam(agent.policy_parameters(), 1e-3)
+    opt_c = torch.optim.Adam(agent.value_parameters(), 1e-3)
+    reinflow.ppo_update(agent, fake_batch(agent, obs), opt_a, opt_c, cfg)
+    n = len(list(encoder.parameters()))
+    moved = [not torch.equal(a, b) for a, b in zip(before, (*encoder.parameters(), *rest.parameters()))]
+    assert any(moved[:n]) is not freeze and any(moved[n:])  # unfrozen, PPO moves the encoder too
+
+
+def test_freezing_an_obs_encoder_that_is_not_there_is_a_clear_error(tmp_path):
+    cfg = reinflow.ReinFlowConfig(num_inference_steps=4, freeze_obs_encoder=True)
+    with pytest.raises(ValueError, match="needs a velocity net with an obs_encoder.*obs_emb_dim > 0"):
+        reinflow._agent(tiny_policy()[0], cfg)
+    path = tmp_path / "stage1.pt"  # and before a run starts, from its start checkpoint
+    bc.save_checkpoint(path, tiny_policy()[0], None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
+    problem = reinflow.start_problem(dataclasses.replace(cfg, init_checkpoint=str(path)))
+    assert "has no obs_encoder" in problem and "-p obs_emb_dim=64" in problem
+    with_encoder = tmp_path / "stage1_enc.pt"
+    bc.save_checkpoint(with_encoder, tiny_policy(obs_emb_dim=8)[0], None, None, 0, bc.ShortCutBCConfig(), {})
+    assert reinflow.start_problem(dataclasses.replace(cfg, init_checkpoint=str(with_encoder))) == ""
+    with pytest.raises(ValueError, match="freeze_obs_encoder applies to steer 'chain'"):
+        reinflow.ReinFlowConfig(steer="latent", freeze_obs_encoder=True)
+
+
 def test_gae_matches_a_hand_worked_example_with_a_termination_and_a_truncation():
     # one env, 4 decisions: d0 normal; d1 terminates mid-chunk (tau=3); d2 normal; d3 truncated (time limit)
     g, lam = 0.9, 0.5
@@ -322,13 +355,17 @@ LATENT = {"steer": "latent", "max_noise_std": 1.0, "final_noise_std": 1.0, "late
 RESIDUAL = {"steer": "residual", "residual_per": "chunk", "reward": "shaped", "latent_hidden_dims": [16]}
 
 
-@pytest.mark.parametrize("options", [{}, PIRL, BRANCH, LATENT, RESIDUAL],
-                         ids=["reinflow", "flow_sde_hybrid_grpo", "branch", "latent", "residual"])
+FROZEN = {"freeze_obs_encoder": True}  # from a stage-1 policy with an obs_encoder (obs_emb_dim 8)
+
+
+@pytest.mark.parametrize("options", [{}, PIRL, BRANCH, LATENT, RESIDUAL, FROZEN],
+                         ids=["reinflow", "flow_sde_hybrid_grpo", "branch", "latent", "residual", "frozen_obs_encoder"])
 def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, options):
     eval_seeds = []  # periodic evaluations must use val_seed: eval_seed is kept for the report
     bc_evaluate = bc.evaluate
     monkeypatch.setattr(bc, "evaluate", lambda *a, seed, **kw: eval_seeds.append(seed) or bc_evaluate(*a, seed=seed, **kw))
-    policy, dataset = tiny_policy()
+    frozen = options.get("freeze_obs_encoder", False)
+    policy, dataset = tiny_policy(obs_emb_dim=8 if frozen else 0)
     path = tmp_path / "stage1.pt"
     bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
     # GRPO runs one 20-step episode per env per iteration: ceil(20 / 4) = 5 decisions of 4 actions
@@ -342,6 +379,8 @@ def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, 
         agent, how = reinflow.build_agent(cfg, reinflow.init_checkpoint_path(cfg), env.spec)
         assert how == "fresh"
         before = [p.clone() for p in agent.policy_parameters()]
+        encoder = agent.actor.base.obs_encoder.state_dict() if frozen else {}
+        encoder = {k: v.clone() for k, v in encoder.items()}
         tracker = Tracker(tmp_path / "run")
         out = reinflow.train(cfg, agent, env, tmp_path / "run", tracker)
     rows = tracker.rows
@@ -358,6 +397,9 @@ def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, 
     assert bool(ckpt["actor_opt"]["state"]) is (cfg.actor_optimizer == "adam")  # plain SGD keeps no moments
     reloaded = reinflow.load_agent(tmp_path / "run" / "last.pt")
     assert reloaded.act_horizon == agent.act_horizon == Ta  # the override travels with the checkpoint
+    for k, v in encoder.items():  # frozen: the encoder of the run and of its checkpoint is stage 1's
+        assert torch.equal(agent.actor.base.obs_encoder.state_dict()[k].cpu(), v.cpu())
+        assert torch.equal(reloaded.actor.base.obs_encoder.state_dict()[k], v.cpu())
     window = torch.randn(3, 2, OBS_DIM)
     assert torch.equal(reloaded.act(window, generator=torch.Generator().manual_seed(0)),
                        agent.cpu().act(window, generator=torch.Generator().manual_seed(0)))  # trained on the GPU if any
