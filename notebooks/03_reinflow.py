@@ -36,6 +36,9 @@
 # in our pilot, so the actor's learning rate is small.
 # $\sigma_\theta$ is a small network (`ExploreNoiseNet`) squashed into $[\sigma_\min, \sigma_\max]$;
 # $\sigma_\max$ decays during training. The executed chunk is $x_K$; evaluation drops the noise.
+# PPO moves $v_\theta$ and $\sigma_\theta$. A stage-1 policy trained with `obs_emb_dim` > 0 reads $o$ through an
+# `obs_encoder` (an MLP; for pixels it would be a pretrained visual encoder), and `freeze_obs_encoder` keeps that
+# part of $v_\theta$ as stage 1/2 left it.
 #
 # **PPO on chains.** The ratio is $\rho = \exp(\log\pi_\theta(x_{0:K}\mid o) - \log\pi_{\theta_\text{old}}(x_{0:K}\mid o))$,
 # with the clipped surrogate $\mathbb E[\min(\rho A, \operatorname{clip}(\rho, 1\pm\epsilon)A)]$
