@@ -79,7 +79,9 @@ def main(argv=None) -> None:
     M = cfg.branches
     C = T * M  # chunks executed per unit: with branches, every try of a decision costs its env steps
     # --- one gradient per unit; Gram matrices per module of the velocity net and for the noise net
-    parts = {f"velocity.{name}": list(m.parameters()) for name, m in agent.actor.base.named_children()}
+    # (the parameters PPO moves: a frozen obs_encoder is left out)
+    parts = {f"velocity.{name}": [p for p in m.parameters() if p.requires_grad]
+             for name, m in agent.actor.base.named_children()}
     parts = {name: params for name, params in parts.items() if params}
     parts["noise"] = list(agent.actor.noise_net.parameters())
     counts = {name: sum(p.numel() for p in params) for name, params in parts.items()}
