@@ -92,7 +92,9 @@ class ShortCutVelocityUNet1D(nn.Module):
         if obs is None or obs.shape[1:] != (self.obs_horizon, self.obs_dim):
             got = None if obs is None else tuple(obs.shape)
             raise ValueError(f"obs must be [B, {self.obs_horizon}, {self.obs_dim}], got {got}")
-        obs_emb = obs.reshape(B, -1) if self.obs_encoder is None else self.obs_encoder(obs.reshape(B, -1))
+        obs_emb = obs.reshape(B, -1)  # [B, To * O]
+        if self.obs_encoder is not None:
+            obs_emb = self.obs_encoder(obs_emb)  # [B, obs_emb_dim]
         cond = torch.cat([self.time_mlp(torch.cat([self.t_emb(t), self.d_emb(d)], -1)), obs_emb], -1)
         h = x.transpose(1, 2)  # [B, A, H]
         skips = []

@@ -75,7 +75,7 @@ def test_a_checkpoint_from_before_obs_emb_dim_loads_and_resumes_as_the_same_poli
     and ``bc.train`` resumes them rather than calling them a run of other settings."""
     dataset = ChunkDataset(random_episodes(), 2, 16)
     cfg = tiny_cfg(train_steps=4, ckpt_every=2)
-    policy, _ = bc.train(cfg, dataset, tmp_path)
+    bc.train(cfg, dataset, tmp_path)
     ckpt = torch.load(tmp_path / "last.pt", weights_only=False)
     assert ckpt["meta"]["obs_emb_dim"] == 0
     del ckpt["meta"]["obs_emb_dim"]
