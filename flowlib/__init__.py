@@ -3,7 +3,7 @@
 Modules (each with one job):
     flows     ReFlow, MeanFlow, ShortCut; the time convention (t = 0 noise, t = 1 data); the sampler
     nets      velocity networks with the interface net(x, t, d, obs)
-    metrics   distances between sample sets (sliced Wasserstein)
+    metrics   distances between sample sets (sliced Wasserstein); paired and clustered standard errors
     toy2d     2D targets, the exact velocity of a Gaussian mixture, the notebook-00 experiment
     unet      ShortCutVelocityUNet1D, the 1D temporal U-Net over action chunks
     envs      ManiSkill3 envs, batched torch interface (physx_cuda or AsyncVectorEnv on CPU)
@@ -22,6 +22,7 @@ Modules (each with one job):
     residual_step  stage 3, steer "residual_step": a correction at every env step, learned by TD3 (the CPU target run)
     pirl      notebook 04's study: 2D marginal and log-prob tables, the noise-method comparison
     evaluate  `python -m flowlib.evaluate`: checkpoints on the same fresh episodes, differences paired per episode
+    seeds     `python -m flowlib.seeds`: a result over seeds from evaluate folders (spread, pooled rate)
     sweep     `python -m flowlib.sweep run|monitor`: notebook x params folder x seeds; the sweep report
     config    typed, validated parameters (unknown keys, wrong types, out-of-range and NaN values rejected)
     runs      run folders under outputs/, atomic writes

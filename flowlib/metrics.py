@@ -71,3 +71,27 @@ def success_rates(per_episode: dict[str, list[bool]]) -> list[dict[str, float | 
         rows.append({"policy": row["policy"], "episodes": n, "success": p, "se": float(np.sqrt(p * (1 - p) / n)),
                      "diff": row["diff"], "diff_se": row["diff_se"]})
     return rows
+
+
+def clustered_mean(x, clusters) -> tuple[float, float]:
+    """Mean of ``x`` and its standard error with the samples grouped in ``clusters`` (cluster-robust; e.g.
+    Cameron & Miller 2015, Eq. 11, for a mean).
+
+    Samples of one cluster may be correlated, samples of different clusters are not: several seeds of a policy
+    scored on the same env seeds fail and succeed on the same hard episodes, so pooling them into one binomial
+    rate over seeds x episodes would understate its error.  With residuals ``e_i = x_i - mean`` and ``C``
+    clusters, ``SE^2 = C / (C - 1) * sum_c (sum_{i in c} e_i)^2 / N^2``.  All clusters of size one: the usual
+    ``std(x, ddof=1) / sqrt(N)``; ``S`` samples in each of ``C`` clusters: ``std(cluster means, ddof=1) / sqrt(C)``,
+    so ``S`` identical copies of one seed's outcomes have that seed's SE, not ``1 / sqrt(S)`` of it.
+    """
+    x = np.asarray(x, dtype=float)
+    clusters = np.asarray(clusters)
+    if x.ndim != 1 or clusters.shape != x.shape:
+        raise ValueError(f"x and clusters must be 1-D of one length, got shapes {x.shape} and {clusters.shape}")
+    _, which = np.unique(clusters, return_inverse=True)
+    C = int(which.max()) + 1 if len(x) else 0
+    if C < 2:
+        raise ValueError(f"a clustered standard error needs at least 2 clusters, got {C}")
+    mean = float(x.mean())
+    sums = np.bincount(which, weights=x - mean)  # [C]  sum of the residuals in each cluster
+    return mean, float(np.sqrt(C / (C - 1) * (sums ** 2).sum()) / len(x))
