@@ -1,6 +1,7 @@
 """Parameter validation (keys, types, ranges, finiteness, cross-field checks), the notebook runner's checks before
 a kernel starts, and every params/ file."""
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,40 @@ def test_a_config_built_in_code_is_range_checked_too():
 def test_a_failed_check_across_fields_is_a_config_error_naming_the_source():
     with pytest.raises(ConfigError, match=r"^run.yaml: need min_noise_std \(0.5\) <= final_noise_std"):
         validate(ReinFlowConfig, {"min_noise_std": 0.5}, source="run.yaml")
+
+
+TD3 = {"steer": "residual_step", "learner": "td3"}
+SAC = {"steer": "latent", "learner": "sac"}
+
+
+@pytest.mark.parametrize("values, message", [
+    ({**TD3, "ent_coef": 0.05}, "learner 'td3' ignores ent_coef (read only by learner 'ppo')"),
+    ({**SAC, "clip_coef": 0.3, "target_kl": 0.1}, "learner 'sac' ignores clip_coef, target_kl (read only by learner 'ppo')"),
+    ({"td3_n_step": 3}, "learner 'ppo' ignores td3_n_step (read only by learner 'td3')"),
+    ({**TD3, "sac_target_kl": 0.2}, "learner 'td3' ignores sac_target_kl (read only by learner 'sac')"),
+    ({"sac_buffer_size": 1000}, "learner 'ppo' ignores sac_buffer_size (read only by learner 'sac' / 'td3')"),
+])
+def test_a_field_that_the_learner_would_ignore_is_rejected(values, message):
+    with pytest.raises(ConfigError, match=re.escape(message) + ": leave the key out or set learner"):
+        validate(ReinFlowConfig, values)
+
+
+def test_each_learner_takes_its_own_fields_and_the_shared_ones():
+    validate(ReinFlowConfig, {"ent_coef": 0.05, "clip_coef": 0.3, "update_epochs": 8})
+    validate(ReinFlowConfig, {**TD3, "td3_n_step": 3, "residual_l2": 0.1, "sac_buffer_size": 1000, "sac_tau": 0.01})
+    validate(ReinFlowConfig, {**SAC, "sac_target_kl": 0.2, "sac_buffer_size": 1000, "sac_tau": 0.01})
+
+
+def test_a_checkpoints_config_drops_what_its_learner_ignores_but_an_override_may_not_set_it():
+    from flowlib.reinflow import checkpoint_config
+
+    ran = dataclasses.asdict(ReinFlowConfig(**SAC, sac_batch_size=4))
+    older = {**ran, "ent_coef": 0.05}  # a run from before the check, where PPO's field did nothing
+    assert checkpoint_config({"config": older}).ent_coef == ReinFlowConfig().ent_coef
+    as_ppo = checkpoint_config({"config": ran}, {"learner": "ppo"})  # the same weights, another learner
+    assert as_ppo.learner == "ppo" and as_ppo.sac_batch_size == ReinFlowConfig().sac_batch_size
+    with pytest.raises(ConfigError, match="learner 'ppo' ignores sac_tau"):
+        checkpoint_config({"config": ran}, {"learner": "ppo", "sac_tau": 0.01})
 
 
 @pytest.mark.parametrize("argv, message", [
