@@ -43,16 +43,21 @@ RESIDUAL_PER = ("action", "chunk")  # steer "residual": one correction per execu
 # How: PPO; SAC from a replay (steer "latent", flowlib.latent_sac); TD3 from a replay (steer "residual_step",
 # flowlib.residual_step)
 LEARNERS = ("ppo", "sac", "td3")
-# Fields that only some learners read: set away from its default under another learner, a field would do nothing,
-# so ReinFlowConfig rejects it (ppo_update's fields; DSRL's KL weight; TD3's; the replay both off-policy learners keep)
-LEARNER_FIELDS = {
-    ("ppo",): ("update_epochs", "policy_epochs", "minibatch_size", "micro_batch_size", "advantage", "gae_lambda",
-               "n_step", "group_size", "branches", "clip_coef", "dual_clip", "value_clip", "huber_delta", "ent_coef",
-               "vf_coef", "actor_optimizer", "target_kl", "kl_stop", "norm_adv", "ratio_mode"),
-    ("sac",): ("sac_init_alpha", "sac_alpha_lr", "sac_target_kl"),
-    ("td3",): ("td3_target_noise", "td3_noise_clip", "td3_policy_delay", "td3_n_step", "residual_l2",
-               "actor_lr_warmup_steps"),
-    ("sac", "td3"): ("sac_batch_size", "sac_updates_per_decision", "sac_buffer_size", "sac_tau"),
+# Fields that only some learners, or some steers, read: set away from its default under another, a field would do
+# nothing, so ReinFlowConfig rejects it.  (what, its values that read them): fields
+SCOPED_FIELDS = {
+    ("learner", ("ppo",)): ("update_epochs", "policy_epochs", "minibatch_size", "micro_batch_size", "advantage",
+                            "gae_lambda", "n_step", "group_size", "branches", "clip_coef", "dual_clip", "value_clip",
+                            "huber_delta", "ent_coef", "vf_coef", "actor_optimizer", "target_kl", "kl_stop", "norm_adv",
+                            "ratio_mode"),                                                   # flowlib.ppo's update
+    ("learner", ("sac",)): ("sac_init_alpha", "sac_alpha_lr", "sac_target_kl"),             # DSRL's KL weight
+    ("learner", ("td3",)): ("td3_target_noise", "td3_noise_clip", "td3_policy_delay", "td3_n_step", "residual_l2",
+                            "actor_lr_warmup_steps"),
+    ("learner", ("sac", "td3")): ("sac_batch_size", "sac_updates_per_decision", "sac_buffer_size", "sac_tau"),  # replay
+    ("steer", ("latent",)): ("latent_bound",),
+    ("steer", ("residual",)): ("residual_per",),
+    ("steer", ("residual", "residual_step")): ("residual_bound",),
+    ("steer", ("latent", "residual", "residual_step")): ("latent_hidden_dims",),             # their policy's MLP
 }
 
 
@@ -322,20 +327,23 @@ class ReinFlowConfig:
             (self.advantage != "grpo" or self.num_envs % self.group_size == 0,
              f"advantage 'grpo' needs num_envs ({self.num_envs}) to be a multiple of group_size ({self.group_size})"),
             (self.dual_clip == 0 or self.dual_clip > 1, "dual_clip must be 0 (off) or > 1"),
-            *[(self.learner in learners or not changed, f"learner {self.learner!r} ignores {', '.join(changed)} (read "
-               f"only by learner {' / '.join(map(repr, learners))}): leave the key out or set learner")
-              for learners, changed in self._changed_learner_fields()],
+            *[(not changed, f"{what} {getattr(self, what)!r} ignores {', '.join(changed)} (read only by {what} "
+               f"{' / '.join(map(repr, readers))}): leave the key out or set {what}")
+              for (what, readers), changed in self._ignored_fields().items()],
             (abs(self.val_seed - self.eval_seed) >= self.num_eval_episodes,
              f"val_seed ({self.val_seed}) and eval_seed ({self.eval_seed}) episodes overlap: the report would be "
              f"scored on episodes that picked best_model.pt; keep them >= num_eval_episodes apart"),
         ])
 
 
-    def _changed_learner_fields(self) -> list[tuple[tuple[str, ...], list[str]]]:
-        """``(learners, fields set away from their defaults)`` for each group of ``LEARNER_FIELDS``."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        return [(learners, [name for name in names if getattr(self, name) != defaults[name]])
-                for learners, names in LEARNER_FIELDS.items()]
+    def _ignored_fields(self) -> dict[tuple[str, tuple[str, ...]], list[str]]:
+        """The fields of each ``SCOPED_FIELDS`` group set away from their defaults where this config's learner or
+        steer does not read them."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.default is not dataclasses.MISSING}
+        defaults.update({f.name: f.default_factory() for f in dataclasses.fields(self)
+                         if f.default_factory is not dataclasses.MISSING})
+        return {(what, readers): [n for n in names if getattr(self, n) != defaults[n]]
+                for (what, readers), names in SCOPED_FIELDS.items() if getattr(self, what) not in readers}
 
 
 # --------------------------------------------------------------------------- rollouts
@@ -529,11 +537,11 @@ def read_agent_checkpoint(path: str | Path) -> dict:
 def checkpoint_config(ckpt: dict, overrides: dict | None = None) -> ReinFlowConfig:
     """The config a ReinFlow checkpoint ran with, with ``overrides`` (unknown keys and wrong types rejected).
 
-    The checkpoint's fields that the resulting learner ignores (``LEARNER_FIELDS``; an override may change the
-    learner, and older runs could set them) are left out: they changed nothing in the run, so nothing is lost."""
+    The checkpoint's fields that the resulting learner or steer ignores (``SCOPED_FIELDS``; an override may change
+    either, and older runs could set them) are left out: they changed nothing in the run, so nothing is lost."""
     values = {"obs_clip": 0.0, **ckpt["config"], **(overrides or {})}  # checkpoints from before obs_clip ran unclipped
-    learner = values.get("learner", "ppo")
-    ignored = {name for learners, names in LEARNER_FIELDS.items() if learner not in learners for name in names}
+    chosen = {"learner": values.get("learner", "ppo"), "steer": values.get("steer", "chain")}
+    ignored = {n for (what, readers), names in SCOPED_FIELDS.items() if chosen[what] not in readers for n in names}
     values = {k: v for k, v in values.items() if k not in ignored or k in (overrides or {})}
     return config.validate(ReinFlowConfig, values, "checkpoint config + overrides")
 

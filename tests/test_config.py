@@ -116,16 +116,22 @@ SAC = {"steer": "latent", "learner": "sac"}
     ({"td3_n_step": 3}, "learner 'ppo' ignores td3_n_step (read only by learner 'td3')"),
     ({**TD3, "sac_target_kl": 0.2}, "learner 'td3' ignores sac_target_kl (read only by learner 'sac')"),
     ({"sac_buffer_size": 1000}, "learner 'ppo' ignores sac_buffer_size (read only by learner 'sac' / 'td3')"),
+    ({"latent_bound": 2.0}, "steer 'chain' ignores latent_bound (read only by steer 'latent')"),
+    ({**TD3, "residual_per": "chunk"}, "steer 'residual_step' ignores residual_per (read only by steer 'residual')"),
+    ({"latent_hidden_dims": [64]}, "steer 'chain' ignores latent_hidden_dims (read only by steer 'latent' / "
+                                   "'residual' / 'residual_step')"),
 ])
-def test_a_field_that_the_learner_would_ignore_is_rejected(values, message):
-    with pytest.raises(ConfigError, match=re.escape(message) + ": leave the key out or set learner"):
+def test_a_field_that_the_learner_or_steer_would_ignore_is_rejected(values, message):
+    with pytest.raises(ConfigError, match=re.escape(message) + ": leave the key out or set (learner|steer)"):
         validate(ReinFlowConfig, values)
 
 
-def test_each_learner_takes_its_own_fields_and_the_shared_ones():
+def test_each_learner_and_steer_takes_its_own_fields_and_the_shared_ones():
     validate(ReinFlowConfig, {"ent_coef": 0.05, "clip_coef": 0.3, "update_epochs": 8})
     validate(ReinFlowConfig, {**TD3, "td3_n_step": 3, "residual_l2": 0.1, "sac_buffer_size": 1000, "sac_tau": 0.01})
-    validate(ReinFlowConfig, {**SAC, "sac_target_kl": 0.2, "sac_buffer_size": 1000, "sac_tau": 0.01})
+    validate(ReinFlowConfig, {**SAC, "sac_target_kl": 0.2, "sac_buffer_size": 1000, "sac_tau": 0.01,
+                              "latent_bound": 2.0, "latent_hidden_dims": [64]})
+    validate(ReinFlowConfig, {"steer": "residual", "residual_per": "chunk", "residual_bound": 0.3})
 
 
 def test_a_checkpoints_config_drops_what_its_learner_ignores_but_an_override_may_not_set_it():
