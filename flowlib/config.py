@@ -41,6 +41,12 @@ def field_names(cls) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
+def defaults(cls) -> dict[str, Any]:
+    """Each field's default value (a fresh one from its ``default_factory``), without building the config."""
+    return {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(cls)}
+
+
 def validate(cls: type[T], values: Mapping[str, Any], source: str = "parameters") -> T:
     """Build ``cls`` from ``values``; reject unknown keys, wrong types, values out of range or not finite,
     and failed cross-field checks, each with a message naming the key (``ConfigError``)."""

@@ -43,8 +43,8 @@ RESIDUAL_PER = ("action", "chunk")  # steer "residual": one correction per execu
 # How: PPO; SAC from a replay (steer "latent", flowlib.latent_sac); TD3 from a replay (steer "residual_step",
 # flowlib.residual_step)
 LEARNERS = ("ppo", "sac", "td3")
-# Fields that only some learners, or some steers, read: set away from its default under another, a field would do
-# nothing, so ReinFlowConfig rejects it.  (what, its values that read them): fields
+# Fields that only some learners or steers read, {(the choice, its values that read them): fields}: set away from its
+# default under another value, such a field would do nothing, so ReinFlowConfig rejects it
 SCOPED_FIELDS = {
     ("learner", ("ppo",)): ("update_epochs", "policy_epochs", "minibatch_size", "micro_batch_size", "advantage",
                             "gae_lambda", "n_step", "group_size", "branches", "clip_coef", "dual_clip", "value_clip",
@@ -335,14 +335,11 @@ class ReinFlowConfig:
              f"scored on episodes that picked best_model.pt; keep them >= num_eval_episodes apart"),
         ])
 
-
     def _ignored_fields(self) -> dict[tuple[str, tuple[str, ...]], list[str]]:
         """The fields of each ``SCOPED_FIELDS`` group set away from their defaults where this config's learner or
         steer does not read them."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.default is not dataclasses.MISSING}
-        defaults.update({f.name: f.default_factory() for f in dataclasses.fields(self)
-                         if f.default_factory is not dataclasses.MISSING})
-        return {(what, readers): [n for n in names if getattr(self, n) != defaults[n]]
+        default = config.defaults(type(self))
+        return {(what, readers): [n for n in names if getattr(self, n) != default[n]]
                 for (what, readers), names in SCOPED_FIELDS.items() if getattr(self, what) not in readers}
 
 
