@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flowlib.seeds", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("evaluations", nargs="+", help="flowlib.evaluate folders (paths or names under outputs/evaluate/)")
-    ap.add_argument("--policy", default="", help="the seeds' checkpoint file, e.g. last.pt (default: all after the start)")
+    ap.add_argument("--policy", default="",
+                    help="the seeds' checkpoint file, e.g. last.pt (default: every one after the start)")
     ap.add_argument("--target", type=float, default=None, help="count the seeds whose success_once reaches this")
     ap.add_argument("--name", default="default", help="folder under outputs/seeds/")
     args = ap.parse_args(argv)
@@ -105,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     save_json(run_path / "summary.json", summary)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     s = summary
-    print(f"\n{s['seeds']} seeds: success_once mean {s['mean']:.3f} (std {s['std']:.3f}, {s['min']:.3f}-{s['max']:.3f}), "
-          f"paired gain over the start {s['gain_mean']:+.3f} (std {s['gain_std']:.3f})"
+    print(f"\n{s['seeds']} seeds: success_once mean {s['mean']:.3f} (std {s['std']:.3f}, {s['min']:.3f}-{s['max']:.3f}),"
+          f" paired gain over the start {s['gain_mean']:+.3f} (std {s['gain_std']:.3f})"
           + (f"; {s['at_or_above_target']} of {s['seeds']} >= {s['target']}" if "target" in s else ""))
     print(f"pooled {s['pooled_successes']} / {s['pooled_episodes']} = {s['pooled']:.3f} +- "
           f"{s['pooled_se_clustered']:.3f} (clustered by env seed; binomial +- {s['pooled_se_binomial']:.3f})")

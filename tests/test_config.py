@@ -112,7 +112,8 @@ SAC = {"steer": "latent", "learner": "sac"}
 
 @pytest.mark.parametrize("values, message", [
     ({**TD3, "ent_coef": 0.05}, "learner 'td3' ignores ent_coef (read only by learner 'ppo')"),
-    ({**SAC, "clip_coef": 0.3, "target_kl": 0.1}, "learner 'sac' ignores clip_coef, target_kl (read only by learner 'ppo')"),
+    ({**SAC, "clip_coef": 0.3, "target_kl": 0.1},
+     "learner 'sac' ignores clip_coef, target_kl (read only by learner 'ppo')"),
     ({"td3_n_step": 3}, "learner 'ppo' ignores td3_n_step (read only by learner 'td3')"),
     ({**TD3, "sac_target_kl": 0.2}, "learner 'td3' ignores sac_target_kl (read only by learner 'sac')"),
     ({"sac_buffer_size": 1000}, "learner 'ppo' ignores sac_buffer_size (read only by learner 'sac' / 'td3')"),
