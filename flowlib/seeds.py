@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     save_json(run_path / "summary.json", summary)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     s = summary
-    print(f"\n{s['seeds']} seeds: success_once mean {s['mean']:.3f} (std {s['std']:.3f}, {s['min']:.3f}-{s['max']:.3f}),"
-          f" paired gain over the start {s['gain_mean']:+.3f} (std {s['gain_std']:.3f})"
+    print(f"\n{s['seeds']} seeds: success_once mean {s['mean']:.3f} (std {s['std']:.3f}, {s['min']:.3f}-{s['max']:.3f})"
+          f", paired gain over the start {s['gain_mean']:+.3f} (std {s['gain_std']:.3f})"
           + (f"; {s['at_or_above_target']} of {s['seeds']} >= {s['target']}" if "target" in s else ""))
     print(f"pooled {s['pooled_successes']} / {s['pooled_episodes']} = {s['pooled']:.3f} +- "
           f"{s['pooled_se_clustered']:.3f} (clustered by env seed; binomial +- {s['pooled_se_binomial']:.3f})")
