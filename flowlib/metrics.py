@@ -74,8 +74,9 @@ def success_rates(per_episode: dict[str, list[bool]]) -> list[dict[str, float | 
 
 
 def clustered_mean(x, clusters) -> tuple[float, float]:
-    """Mean of ``x`` and its standard error with the samples grouped in ``clusters`` (cluster-robust; e.g.
-    Cameron & Miller 2015, Eq. 11, for a mean).
+    """Mean of ``x`` and its standard error with the samples grouped in ``clusters``: the cluster-robust variance of
+    a regression on a constant, with the ``C / (C - 1)`` small-sample factor (Cameron & Miller 2015, "A
+    Practitioner's Guide to Cluster-Robust Inference").
 
     Samples of one cluster may be correlated, samples of different clusters are not: several seeds of a policy
     scored on the same env seeds fail and succeed on the same hard episodes, so pooling them into one binomial
