@@ -89,8 +89,8 @@ def clustered_mean(x, clusters) -> tuple[float, float]:
     clusters = np.asarray(clusters)
     if x.ndim != 1 or clusters.shape != x.shape:
         raise ValueError(f"x and clusters must be 1-D of one length, got shapes {x.shape} and {clusters.shape}")
-    _, which = np.unique(clusters, return_inverse=True)
-    C = int(which.max()) + 1 if len(x) else 0
+    labels, which = np.unique(clusters, return_inverse=True)
+    C = len(labels)
     if C < 2:
         raise ValueError(f"a clustered standard error needs at least 2 clusters, got {C}")
     mean = float(x.mean())

@@ -61,6 +61,12 @@ SCOPED_FIELDS = {
 }
 
 
+def unread_fields(learner: str, steer: str) -> dict[tuple[str, tuple[str, ...]], tuple[str, ...]]:
+    """The groups of ``SCOPED_FIELDS`` that this learner and steer do not read."""
+    chosen = {"learner": learner, "steer": steer}
+    return {group: names for group, names in SCOPED_FIELDS.items() if chosen[group[0]] not in group[1]}
+
+
 def noise_schedule(kind: str, progress: float, init: float, final: float) -> float:
     """``max_noise_std`` at training ``progress`` in [0, 1] (ReinFlow's decaying exploration).
 
@@ -339,8 +345,8 @@ class ReinFlowConfig:
         """The fields of each ``SCOPED_FIELDS`` group set away from their defaults where this config's learner or
         steer does not read them."""
         default = config.defaults(type(self))
-        return {(what, readers): [n for n in names if getattr(self, n) != default[n]]
-                for (what, readers), names in SCOPED_FIELDS.items() if getattr(self, what) not in readers}
+        return {group: [n for n in names if getattr(self, n) != default[n]]
+                for group, names in unread_fields(self.learner, self.steer).items()}
 
 
 # --------------------------------------------------------------------------- rollouts
@@ -537,8 +543,8 @@ def checkpoint_config(ckpt: dict, overrides: dict | None = None) -> ReinFlowConf
     The checkpoint's fields that the resulting learner or steer ignores (``SCOPED_FIELDS``; an override may change
     either, and older runs could set them) are left out: they changed nothing in the run, so nothing is lost."""
     values = {"obs_clip": 0.0, **ckpt["config"], **(overrides or {})}  # checkpoints from before obs_clip ran unclipped
-    chosen = {"learner": values.get("learner", "ppo"), "steer": values.get("steer", "chain")}
-    ignored = {n for (what, readers), names in SCOPED_FIELDS.items() if chosen[what] not in readers for n in names}
+    unread = unread_fields(values.get("learner", "ppo"), values.get("steer", "chain")).values()
+    ignored = {name for names in unread for name in names}
     values = {k: v for k, v in values.items() if k not in ignored or k in (overrides or {})}
     return config.validate(ReinFlowConfig, values, "checkpoint config + overrides")
 

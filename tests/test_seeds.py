@@ -6,6 +6,7 @@ import pytest
 
 from flowlib import evaluate, seeds
 from flowlib.metrics import clustered_mean
+from flowlib.runs import run_dir
 
 
 def test_clustered_se_is_the_plain_se_for_singletons_and_one_seeds_se_for_copies():
@@ -35,8 +36,6 @@ def fake_evaluation(name: str, outcomes: dict[str, list[int]], seed: int = 30000
                        "success_at_end": float(np.mean(x)), "act_horizon": 8,
                        "flags_once": {"is_grasped": 1.0}, "per_episode_flags_once": {"is_grasped": [True] * len(x)}}
                for label, x in outcomes.items()}
-    from flowlib.runs import run_dir
-
     evaluate.write_report(run_dir("evaluate", name), results, seed)
 
 
