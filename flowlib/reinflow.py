@@ -40,9 +40,10 @@ from .smdp import REACH_ENVS, REWARDS, ChunkRunner
 # executed actions per decision (flowlib.residual) or per env step from the current observation (flowlib.residual_step)
 STEER = ("chain", "latent", "residual", "residual_step")
 RESIDUAL_PER = ("action", "chunk")  # steer "residual": one correction per executed action, or one for the chunk
-# How: PPO; SAC from a replay (steer "latent", flowlib.latent_sac); TD3 from a replay (steer "residual_step",
-# flowlib.residual_step)
+# How: PPO (every steer; for "residual_step" each env step is a decision); SAC from a replay (steer "latent",
+# flowlib.latent_sac); TD3 from a replay (steer "residual_step", flowlib.residual_step)
 LEARNERS = ("ppo", "sac", "td3")
+PER_STEP_ADVANTAGES = ("gae", "mc", "nstep")  # what PPO on steer "residual_step" estimates over env steps
 # Fields that only some learners or steers read, {(the choice, its values that read them): fields}: set away from its
 # default under another value, such a field would do nothing, so ReinFlowConfig rejects it
 SCOPED_FIELDS = {
@@ -190,7 +191,8 @@ class ReinFlowConfig:
     residual_per: str = "action"        # "action": r [Ta, A], one per executed action; "chunk": r [A], for all Ta
     residual_gripper: bool = True       # steer "residual_step": False leaves the last action dim (the gripper) to the base
     # steer "residual_step" (flowlib.residual_step): a correction r = mu(o_t, a_b) of every executed action from the
-    # current observation (closed loop), learned off-policy with learner "td3"; max_noise_std: r's exploration std
+    # current observation (closed loop), learned off-policy with learner "td3" or on-policy with "ppo" (each env step a
+    # decision); max_noise_std: r's exploration std
     # how steer "latent" learns pi(x_0 | o): "ppo" (on-policy: the PPO fields below) or "sac" (flowlib.latent_sac,
     # DSRL's learner: soft actor-critic over x_0 from a replay buffer, a twin Q(o, x_0) of value_hidden_dims,
     # actor_lr / critic_lr, the policy frozen while the Q nets warm up for critic_warmup_steps)
@@ -311,9 +313,12 @@ class ReinFlowConfig:
             (self.learner in LEARNERS, f"learner must be one of {LEARNERS}, got {self.learner!r}"),
             (self.learner != "sac" or self.steer == "latent",
              f"learner 'sac' learns a policy over x_0: it needs steer 'latent' (got steer {self.steer!r})"),
-            ((self.learner == "td3") == (self.steer == "residual_step"),
-             f"steer 'residual_step' is learned by learner 'td3' and learner 'td3' learns steer 'residual_step' "
-             f"(got steer {self.steer!r}, learner {self.learner!r}): set both"),
+            (self.learner != "td3" or self.steer == "residual_step",
+             f"learner 'td3' learns steer 'residual_step' (a correction at every env step), got steer {self.steer!r}: "
+             f"set steer: residual_step, or learner: ppo"),
+            (self.steer != "residual_step" or self.advantage in PER_STEP_ADVANTAGES,
+             f"steer 'residual_step' with learner 'ppo' takes advantage {' / '.join(PER_STEP_ADVANTAGES)} over env "
+             f"steps (got {self.advantage!r}: GRPO's episode groups and branches are chunk-decision estimators)"),
             (self.sac_buffer_size >= self.sac_batch_size,
              f"sac_buffer_size ({self.sac_buffer_size}) must hold at least one batch ({self.sac_batch_size})"),
             (self.sac_tau > 0, f"sac_tau must be in (0, 1], got {self.sac_tau}"),
@@ -488,11 +493,11 @@ def _agent(policy, cfg: ReinFlowConfig) -> ReinFlowAgent:
             return LatentSACAgent(*args, init_alpha=cfg.sac_init_alpha, **common)
         return LatentSteeringAgent(*args, **common)
     if cfg.steer == "residual_step":
-        from .residual_step import StepResidualAgent  # it subclasses ReinFlowAgent
+        from .residual_step import StepResidualAgent, StepResidualPPOAgent  # they subclass ReinFlowAgent
 
-        return StepResidualAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
-                                 tuple(cfg.value_hidden_dims), cfg.residual_bound, tuple(cfg.latent_hidden_dims),
-                                 correct_gripper=cfg.residual_gripper, **common)
+        agent = StepResidualPPOAgent if cfg.learner == "ppo" else StepResidualAgent
+        return agent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std, tuple(cfg.value_hidden_dims),
+                     cfg.residual_bound, tuple(cfg.latent_hidden_dims), correct_gripper=cfg.residual_gripper, **common)
     if cfg.steer == "residual":
         from .residual import ResidualAgent  # it subclasses LatentSteeringAgent
 
@@ -691,7 +696,8 @@ def resume(cfg: ReinFlowConfig, agent: ReinFlowAgent, last: Path, actor_opt, cri
 
 
 def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracker=None) -> dict:
-    """ReinFlow: PPO on the noisy denoising chain, chunks as a semi-MDP (ReinFlow Alg. 1).
+    """ReinFlow: PPO on the noisy denoising chain, chunks as a semi-MDP (ReinFlow Alg. 1); with steer
+    ``"residual_step"``, PPO on the per-step residual, every env step a decision (``flowlib.residual_step``).
 
     Each iteration: set ``max_noise_std`` from the schedule, collect ``rollout_steps`` decisions
     per env, GAE, then PPO (value net only in iterations that start before ``critic_warmup_steps``).  Every
@@ -717,6 +723,11 @@ def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracke
     last = run_path / "last.pt"
     start, runner, best, _ = resume(cfg, agent, last, actor_opt, critic_opt, env, tracker)
     gen = torch.Generator().manual_seed(cfg.seed * 100_003 + start)
+    steps, learner = None, agent
+    if cfg.steer == "residual_step":  # every env step is a decision (flowlib.residual_step, StepResidualPPOAgent)
+        from .residual_step import StepCollector  # it imports this module
+
+        steps, learner = StepCollector(agent, runner, gen, n_step=0), agent.ppo_view()
     bar = tqdm(total=num_iters, initial=start, desc="ReinFlow", mininterval=10)
     for iteration in range(start, num_iters):
         max_std = noise_schedule(cfg.noise_schedule, runner.env_steps / max(cfg.noise_decay_steps, 1),
@@ -731,14 +742,17 @@ def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracke
             runner.restart([runner.next_seed + i // G for i in range(env.num_envs)])
             runner.next_seed += env.num_envs // G
         steps_before = runner.env_steps
-        buf = collect(agent, runner, decisions_per_iteration(cfg, agent.act_horizon), gen, auto_reset=not grpo,
-                      branches=cfg.branches)
+        if steps is not None:  # rollout_steps x Ta env steps per env, as TD3's iterations
+            buf = steps.rollout(cfg.rollout_steps * agent.act_horizon)
+        else:
+            buf = collect(agent, runner, decisions_per_iteration(cfg, agent.act_horizon), gen, auto_reset=not grpo,
+                          branches=cfg.branches)
         rollout_time = time.time() - t0
         advantages, returns = buf.advantages(cfg)
         warmup = in_critic_warmup(steps_before, cfg)
         agent.train()
         t1 = time.time()
-        stats = ppo_update(agent, buf.flat(advantages, returns), actor_opt, critic_opt, cfg,
+        stats = ppo_update(learner, buf.flat(advantages, returns), actor_opt, critic_opt, cfg,
                            train_policy=not warmup, generator=gen)
         update_time = time.time() - t1
         episodes = runner.pop_finished()

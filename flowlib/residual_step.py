@@ -1,4 +1,4 @@
-"""Per-step residual RL: a closed-loop correction of every executed action, learned off-policy (TD3).
+"""Per-step residual RL: a closed-loop correction of every executed action, learned off-policy (TD3) or by PPO.
 
 ``flowlib.residual`` corrects a chunk's ``Ta`` actions once per decision, from the observation at the chunk's
 start: open loop for 8 env steps.  Residual Policy Learning (Silver et al. 2018) corrects a base controller at
@@ -26,6 +26,12 @@ warm-up's included (a target left at its random start would be what the warm-up 
 (``sigma`` = ``max_noise_std``, clipped to the bound).  ``mu_phi``'s last layer starts at zero: before any actor
 step the deterministic policy is the stage-1 policy exactly, episode for episode.
 
+Learner ``"ppo"`` (``StepResidualPPOAgent``) learns the same correction on-policy instead: the policy is the Gaussian
+``r ~ N(mu_phi(s), sigma^2 I)`` (``sigma`` the scheduled exploration std, ``r`` unclipped), the critic a state value
+``V_psi(s)``, and every env step is a decision of ``reinflow.train``'s PPO loop (GAE over env steps with ``gamma`` per
+step; the clipped surrogate of ``flowlib.ppo``, Schulman et al. 2017, Eq. 7), its log-prob ``A`` Gaussian dims (the
+arm's 3 when the gripper is left to the base) against a chunk decision's hundreds through the chain.
+
 Why per step: in 200 held-out PickCube episodes the stage-1 policy grasps the cube 0.90 of the time but places it
 0.58, hovering a few centimetres from the goal (docs/stage3.md).  A hand-written per-step correction,
 ``0.3 obj_to_goal / 0.1 m`` while grasped, lifts it to 0.88 on the same episodes: what the base lacks is a
@@ -45,10 +51,11 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
+from .flow_sde import LOG_2PI
 from .latent import refuse_chain_options
 from .latent_sac import ReplayBuffer, TwinQ, on_all_cores, resume_with_replay
 from .nets import frozen, mlp
-from .reinflow import ReinFlowConfig, end_iteration, episode_stats, noise_schedule, prepare_run
+from .reinflow import ReinFlowConfig, RolloutBuffer, end_iteration, episode_stats, noise_schedule, prepare_run
 from .reinflow_agent import ReinFlowAgent
 from .smdp import ChunkRunner
 
@@ -66,8 +73,11 @@ class StepResidualAgent(ReinFlowAgent):
     def __init__(self, policy, num_inference_steps: int = 8, min_noise_std: float = 0.01, max_noise_std: float = 0.05,
                  value_hidden_dims: tuple[int, ...] = (256, 256), residual_bound: float = 0.5,
                  residual_hidden: tuple[int, ...] = (256, 256), correct_gripper: bool = True, **kwargs):
-        refuse_chain_options(kwargs, f"steer {self.STEER!r} runs the flow's ODE and learns off-policy (no chain "
-                                     "log-prob)")
+        why = f"steer {self.STEER!r} runs the flow's ODE; its policy is one Gaussian per env step (no chain log-prob)"
+        refuse_chain_options(kwargs, why)
+        for key, default in (("log_prob_reduce", "sum"), ("critic_input", "obs")):
+            if kwargs.get(key, default) != default:
+                raise ValueError(f"{why}: {key} must be {default!r}, got {kwargs[key]!r}")
         if not residual_bound > 0:
             raise ValueError(f"residual_bound must be > 0, got {residual_bound}")
         super().__init__(policy, num_inference_steps, min_noise_std, max_noise_std, value_hidden_dims, **kwargs)
@@ -77,14 +87,18 @@ class StepResidualAgent(ReinFlowAgent):
         self.residual_net = mlp([self.state_dim, *residual_hidden, self.action_dim], act=nn.Mish)
         nn.init.zeros_(self.residual_net[-1].weight)
         nn.init.zeros_(self.residual_net[-1].bias)  # r = 0 at the start: the stage-1 policy
-        self.residual_target = copy.deepcopy(self.residual_net).requires_grad_(False)
-        self.q = TwinQ(self.state_dim, self.action_dim, tuple(value_hidden_dims))
-        self.q_target = copy.deepcopy(self.q).requires_grad_(False)
+        self._build_critics(tuple(value_hidden_dims))
         self.register_buffer("explore_std", torch.tensor(float(max_noise_std)))
         mask = torch.ones(self.action_dim)
         if not correct_gripper:
             mask[-1] = 0.0  # ManiSkill's pd_ee_delta_pos: [dx, dy, dz, gripper]
         self.register_buffer("residual_mask", mask, persistent=False)  # [A]: 1 where r may act (from the config)
+
+    def _build_critics(self, hidden: tuple[int, ...]) -> None:
+        """TD3's twin critics ``Q(s, r)`` and the Polyak targets of the critics and the actor."""
+        self.residual_target = copy.deepcopy(self.residual_net).requires_grad_(False)
+        self.q = TwinQ(self.state_dim, self.action_dim, hidden)
+        self.q_target = copy.deepcopy(self.q).requires_grad_(False)
 
     # parameter groups
     def policy_parameters(self):
@@ -149,6 +163,79 @@ class StepResidualAgent(ReinFlowAgent):
         pairs = [(self.q, self.q_target)] + ([(self.residual_net, self.residual_target)] if actor else [])
         for net, target in pairs:  # one fused op per net, not one per tensor (a TD3 step is overhead-bound on CPU)
             torch._foreach_lerp_(list(target.parameters()), list(net.parameters()), tau)
+
+
+class StepResidualPPOAgent(StepResidualAgent):
+    """The per-step residual learned on-policy by PPO (learner ``"ppo"``; module docstring).  The same frozen flow,
+    state ``s = (o_t, a_b)`` and bounded mean ``mu_phi(s)`` as TD3's, but the policy is the Gaussian
+    ``r ~ N(mu_phi(s), sigma^2 I)`` on the dims ``r`` acts on, with ``sigma`` the scheduled ``max_noise_std`` (not
+    learned) and ``r`` not clipped, so that its density is exact; the critic is a state value ``V_psi(s)``
+    (``value_hidden_dims``).  Every env step is a decision: ``score_rollout`` turns the collector's steps into the
+    ``RolloutBuffer`` that ``reinflow.train``'s GAE reads, with the state ``s`` in place of the observation window
+    and ``r`` as a one-row chain ``[1, A]``, and ``ppo_view`` is what ``flowlib.ppo.ppo_update`` scores them with.
+    The chain methods it inherits (``sample``, ``log_prob``, ``value`` of a window) stay the base flow's."""
+
+    def _build_critics(self, hidden: tuple[int, ...]) -> None:
+        self.state_value = mlp([self.state_dim, *hidden, 1], act=nn.Mish)
+
+    def value_parameters(self):
+        return list(self.state_value.parameters())
+
+    def explore_noise(self, r: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``r + N(0, sigma^2)`` on the dims ``r`` acts on, unclipped: the draw PPO scores."""
+        eps = torch.randn(r.shape, generator=generator).to(r.device)
+        return r + self.explore_std * eps * self.residual_mask
+
+    def residual_log_probs(self, s: torch.Tensor, chains: torch.Tensor, stochastic: torch.Tensor | None = None):
+        """``log N(r; mu_phi(s), sigma^2 I)`` over the dims ``r`` acts on, ``[B, 1]``, for ``r = chains[:, 0]``
+        (``chains [B, 1, A]``), and the Gaussian's entropy per dim ``[B]`` (a constant: ``sigma`` is scheduled)."""
+        r, mu, log_std = chains[:, 0], self.residual(s), self.explore_std.log()
+        per_dim = -0.5 * ((r - mu) / self.explore_std) ** 2 - log_std - 0.5 * LOG_2PI        # [B, A]
+        entropy = (0.5 * (1.0 + LOG_2PI) + log_std).expand(len(s))
+        return (per_dim * self.residual_mask).sum(1, keepdim=True), entropy
+
+    def ppo_view(self) -> "_PPOView":
+        return _PPOView(self)
+
+    @torch.no_grad()
+    def score_rollout(self, steps: dict[str, torch.Tensor]) -> RolloutBuffer:
+        """``StepCollector``'s env steps (each field ``[T, N, ...]``) as a ``RolloutBuffer`` of decisions: ``obs`` the
+        state ``s``, ``chains`` ``r [1, A]`` and its log-prob (the policy has not moved since it drew ``r``), ``V(s)``,
+        ``V(s')``, and ``discounts`` = ``bootstrap`` = ``gamma (1 - terminal)`` (``gamma > 0``: only a termination
+        zeroes it)."""
+        device = self.explore_std.device
+        T, N = steps["reward"].shape
+
+        def state(obs, base):  # [T, N, To, O], [T, N, A] -> [T*N, S]
+            return self.state(obs.flatten(0, 1).to(device), base.flatten(0, 1).to(device))
+
+        def per_env(x):  # [T*N, ...] -> [T, N, ...] on the CPU
+            return x.reshape(T, N, *x.shape[1:]).cpu()
+
+        s, s_next = state(steps["obs"], steps["base"]), state(steps["next_obs"], steps["next_base"])
+        chains = steps["latent"].flatten(0, 1)[:, None].to(device)                           # [T*N, 1, A]
+        stochastic = torch.ones(T * N, 1, dtype=torch.bool, device=device)
+        step_lp, _ = self.residual_log_probs(s, chains, stochastic)
+        return RolloutBuffer(obs=per_env(s), chains=per_env(chains), stochastic=per_env(stochastic),
+                             step_log_probs=per_env(step_lp), log_probs=per_env(self.joint_log_prob(step_lp, stochastic,
+                                                                                                    chains)),
+                             values=per_env(self.state_value(s)[:, 0]), rewards=steps["reward"],
+                             discounts=steps["bootstrap"], next_values=per_env(self.state_value(s_next)[:, 0]), terminal=steps["bootstrap"] == 0,
+                             ends=steps["end"], weights=torch.ones(T, N))
+
+
+class _PPOView:
+    """What ``flowlib.ppo.ppo_update`` reads of an agent, for the per-step residual's decisions: ``obs`` is the state
+    ``s``, ``value`` is ``V_psi(s)``, a chain is ``r [1, A]``."""
+
+    def __init__(self, agent: StepResidualPPOAgent):
+        self.agent = agent
+        self.parameters, self.policy_parameters = agent.parameters, agent.policy_parameters
+        self.value_parameters, self.joint_log_prob = agent.value_parameters, agent.joint_log_prob
+        self.step_log_probs = agent.residual_log_probs
+
+    def value(self, s: torch.Tensor) -> torch.Tensor:  # [B, S] -> [B]
+        return self.agent.state_value(s).squeeze(-1)
 
 
 class NStepReturns:
@@ -248,7 +335,8 @@ class StepCollector:
     def __init__(self, agent: StepResidualAgent, runner: ChunkRunner, generator: torch.Generator | None = None,
                  n_step: int = 1):
         self.agent, self.runner, self.gen = agent, runner, generator
-        self.n_step = NStepReturns(n_step)  # steps wait here until their n-step return is known
+        # TD3: steps wait here until their n-step return is known; PPO (n_step 0): each step goes on as it is
+        self.n_step = NStepReturns(n_step) if n_step else None
         self.chunk, self.phase, self.window = None, 0, None  # [N, Ta, A] normalised, CPU; steps into the common chunk
         self.offset = None  # [N]: where each env's own chunk started, in steps before the common boundary
 
@@ -267,7 +355,7 @@ class StepCollector:
         tp, policy_time = time.time(), 0.0
         rows, every = torch.arange(N), torch.ones(N, dtype=torch.bool)
         if self.window is None or not torch.equal(self.window, runner.window):
-            for row in self.n_step.flush():  # the episodes they belonged to were broken off
+            for row in self.n_step.flush() if self.n_step else []:  # their episodes were broken off
                 buffer.add(**row)
             self.chunk, self.offset, self.phase = torch.zeros(N, Ta, A), torch.zeros(N, dtype=torch.long), 0
             self._plan(every)
@@ -292,13 +380,30 @@ class StepCollector:
                 next_base[~out["end"]] = self.chunk[~out["end"], 0]  # the ended envs re-planned from their resets too
             elif out["end"].any():
                 self._plan(out["end"])
-            for row in self.n_step.push(obs=window, latent=r, reward=out["reward"], end=out["end"],
-                                        bootstrap=out["discount"] * (~out["terminal"]).float(),
-                                        next_obs=out["next_window"], base=base, next_base=next_base):
+            step = dict(obs=window, latent=r, reward=out["reward"], end=out["end"], next_obs=out["next_window"],
+                        bootstrap=out["discount"] * (~out["terminal"]).float(), base=base, next_base=next_base)
+            for row in self.n_step.push(**step) if self.n_step else [step]:
                 buffer.add(**row)
             policy_time += time.time() - tp
         self.window = runner.window.clone()
         return policy_time
+
+    def rollout(self, num_steps: int) -> RolloutBuffer:
+        """Learner ``"ppo"``: ``num_steps`` env steps of every env, each one decision, as the agent scores them
+        (``StepResidualPPOAgent.score_rollout``; build the collector with ``n_step = 0``)."""
+        steps = _Steps()
+        policy_time = self.collect(steps, num_steps)
+        t = time.time()
+        buf = self.agent.score_rollout({k: torch.stack([row[k] for row in steps]) for k in steps[0]})
+        buf.policy_time = policy_time + time.time() - t
+        return buf
+
+
+class _Steps(list):
+    """A rollout's env steps in order, as ``StepCollector.collect`` adds them (what the replay is for TD3)."""
+
+    def add(self, **row: torch.Tensor) -> None:
+        self.append(row)
 
 
 def optimizers(agent: StepResidualAgent, cfg: ReinFlowConfig):

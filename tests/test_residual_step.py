@@ -4,6 +4,7 @@ refused, and a real PickCube run that evaluates with the correction in the loop 
 import copy
 import dataclasses
 import importlib.util
+import math
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,10 @@ import torch
 from flowlib import bc, reinflow, smdp
 from flowlib.envs import make_env
 from flowlib.nets import frozen, mlp
-from flowlib.residual_step import (NStepReturns, StepCollector, StepResidualAgent, actor_lr, optimizers,
-                                   replay_buffer, td3_update)
+from flowlib.flow_sde import LOG_2PI
+from flowlib.ppo import ppo_update
+from flowlib.residual_step import (NStepReturns, StepCollector, StepResidualAgent, StepResidualPPOAgent, actor_lr,
+                                   optimizers, replay_buffer, td3_update)
 from flowlib.tracking import Tracker
 from test_reinflow import ACT_DIM, OBS_DIM, tiny_policy
 
@@ -30,10 +33,10 @@ def load_benchmark(name: str):
     return module
 
 
-def step_agent(bound=0.5):
+def step_agent(bound=0.5, cls=StepResidualAgent, **kwargs):
     policy, dataset = tiny_policy()
-    agent = StepResidualAgent(policy, 4, min_noise_std=0.005, max_noise_std=0.05, value_hidden_dims=(32, 32),
-                              residual_bound=bound, residual_hidden=(16,), noise_hidden=16)
+    agent = cls(policy, 4, min_noise_std=0.005, max_noise_std=0.05, value_hidden_dims=(32, 32), residual_bound=bound,
+                residual_hidden=(16,), noise_hidden=16, **kwargs)
     obs = torch.stack([dataset[i][0] for i in range(5)])
     return agent, obs, policy
 
@@ -247,10 +250,12 @@ def test_without_the_gripper_the_residual_its_noise_and_its_target_smoothing_lea
 
 
 def test_what_has_no_meaning_for_a_per_step_residual_is_refused():
-    with pytest.raises(ValueError, match="steer 'residual_step' is learned by learner 'td3'"):
-        reinflow.ReinFlowConfig(steer="residual_step")
-    with pytest.raises(ValueError, match="steer 'residual_step' is learned by learner 'td3'"):
+    with pytest.raises(ValueError, match="learner 'td3' learns steer 'residual_step'.*got steer 'residual'"):
         reinflow.ReinFlowConfig(learner="td3", steer="residual")
+    with pytest.raises(ValueError, match="residual_step' with learner 'ppo' takes advantage gae / mc / nstep.*'grpo'"):
+        reinflow.ReinFlowConfig(steer="residual_step", advantage="grpo")
+    with pytest.raises(ValueError, match="one Gaussian per env step.*log_prob_reduce must be 'sum'"):
+        StepResidualPPOAgent(tiny_policy()[0], 4, log_prob_reduce="mean_dim")
     with pytest.raises(ValueError, match="'td3_policy_delay' = 0: should be greater than 0"):
         reinflow.ReinFlowConfig(steer="residual_step", learner="td3", td3_policy_delay=0)
     with pytest.raises(ValueError, match="residual_bound must be > 0"):
@@ -482,3 +487,108 @@ def test_the_episode_layout_benchmark_reads_the_layouts_the_evaluation_met_and_s
     assert by_z["(0.2, 0.3]"] == {"grasped": 2, "placed": 0.5} and by_z["(0.3, 0.4]"] == {"grasped": 0, "placed": None}
     with pytest.raises(FileNotFoundError, match="run `python -m flowlib.evaluate"):
         bench.episodes(tmp_path / "nowhere")
+
+
+# --------------------------------------------------------------------------- learner "ppo"
+
+PPO_STEP = {**{k: v for k, v in TD3.items() if k != "learner"}, "learner": "ppo", "ent_coef": 0.0}
+
+
+def test_ppo_scores_r_with_the_exact_gaussian_on_the_arm_dims_and_draws_it_unclipped():
+    agent, obs, policy = step_agent(bound=0.1, cls=StepResidualPPOAgent, correct_gripper=False)
+    with torch.no_grad():
+        agent.residual_net[-1].bias.fill_(3.0)  # mu near the bound b = 0.1 on every dim it acts on
+    base = torch.rand(5, ACT_DIM) * 2 - 1
+    s = agent.state(obs, base)
+    mu = agent.residual(s)
+    r = agent.explore_noise(mu.expand(400, 5, ACT_DIM).reshape(2000, ACT_DIM), torch.Generator().manual_seed(0))
+    assert (r[:, -1] == 0).all() and (r[:, :-1].abs() > agent.residual_bound).any()  # the gripper alone; not clipped
+    s_rep = s.repeat(400, 1)
+    step_lp, entropy = agent.residual_log_probs(s_rep, r[:, None])
+    closed = torch.distributions.Normal(mu.repeat(400, 1)[:, :-1], 0.05).log_prob(r[:, :-1]).sum(1)
+    assert step_lp.shape == (2000, 1) and torch.allclose(step_lp[:, 0], closed, atol=1e-5)
+    assert torch.allclose(entropy, torch.full((2000,), 0.5 * (1 + LOG_2PI) + math.log(0.05)))
+    assert torch.allclose(agent.joint_log_prob(step_lp, torch.ones(2000, 1, dtype=torch.bool), r[:, None]), closed,
+                          atol=1e-5)
+    view = agent.ppo_view()  # what ppo_update scores decisions with: V(s) of the state, r's log-prob
+    assert view.value(s).shape == (5,) and set(view.value_parameters()).isdisjoint(view.policy_parameters())
+    assert torch.equal(view.step_log_probs(s_rep, r[:, None])[0], step_lp)
+    assert agent.value(obs).shape == (5,)  # the chain methods it inherits still read an observation window
+
+
+def test_ppo_moves_the_per_step_mean_towards_the_correction_that_pays_and_leaves_the_flow_as_it_was():
+    """A one-step bandit over the residual's state: reward = -|r - c|^2 for a fixed c inside the bound."""
+    agent, obs, policy = step_agent(bound=0.5, cls=StepResidualPPOAgent)
+    flow_before = copy.deepcopy(policy.flow.net.state_dict())
+    cfg = reinflow.ReinFlowConfig(**PPO_STEP, update_epochs=4, minibatch_size=64, actor_lr=3e-3, critic_lr=1e-3)
+    actor_opt = torch.optim.Adam(agent.policy_parameters(), lr=cfg.actor_lr)
+    critic_opt = torch.optim.Adam(agent.value_parameters(), lr=cfg.critic_lr)
+    gen = torch.Generator().manual_seed(0)
+    s = agent.state(obs, torch.zeros(5, ACT_DIM)).repeat(52, 1)                        # [260, S]
+    c = torch.tensor([0.2, -0.1, 0.15, 0.0])
+    assert (agent.residual(s) == 0).all()
+    for _ in range(30):
+        with torch.no_grad():
+            r = agent.explore_noise(agent.residual(s), gen)
+            step_lp, _ = agent.residual_log_probs(s, r[:, None])
+            reward = -(r - c).pow(2).sum(1)
+        batch = {"obs": s, "chains": r[:, None], "stochastic": torch.ones(len(s), 1, dtype=torch.bool),
+                 "step_log_probs": step_lp, "log_probs": step_lp[:, 0], "values": agent.ppo_view().value(s).detach(),
+                 "advantages": reward - reward.mean(), "returns": reward}
+        stats = ppo_update(agent.ppo_view(), batch, actor_opt, critic_opt, cfg, generator=gen)   # checks ratio == 1 first
+    gap = (agent.residual(s) - c).norm(dim=1).mean().item()
+    assert gap < 0.5 * c.norm().item() and stats["policy_steps"] > 0
+    assert all(torch.equal(v, policy.flow.net.state_dict()[k]) for k, v in flow_before.items())
+
+
+def test_ppo_on_the_per_step_residual_runs_in_a_real_pickcube_env_every_step_a_decision(tmp_path):
+    policy, _ = tiny_policy()
+    path = tmp_path / "stage1.pt"
+    bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
+    per_iter = 3 * 8 * 2  # 2 envs x 3 chunks x 8 steps
+    cfg = reinflow.ReinFlowConfig(init_checkpoint=str(path), num_inference_steps=4, rollout_steps=3, max_episode_steps=20,
+                                  total_env_steps=2 * per_iter, critic_warmup_steps=per_iter, minibatch_size=16,
+                                  eval_every=1, num_eval_episodes=2, gamma=0.8, gae_lambda=0.9, **PPO_STEP)
+    run = tmp_path / "run"
+    with make_env("PickCube-v1", 2, max_episode_steps=20) as env:
+        agent, _ = reinflow.build_agent(cfg, reinflow.init_checkpoint_path(cfg), env.spec)
+        assert type(agent) is StepResidualPPOAgent
+        before = [p.clone() for p in agent.policy_parameters()]
+        tracker = Tracker(run)
+        out = reinflow.train(cfg, agent, env, run, tracker)
+        rows = tracker.rows
+        assert out["env_steps"] == 2 * per_iter and [r["critic_warmup"] for r in rows] == [1.0, 0.0]
+        assert "policy_loss" not in rows[0] and rows[1]["policy_steps"] > 0
+        assert rows[1]["noise_std"] == pytest.approx(0.05, rel=1e-4)  # sigma: the schedule, as the entropy says
+        assert {"value_loss", "explained_variance", "eval/success_once", "train/success_once"} <= set(rows[0]) | set(rows[1])
+        assert any(not torch.equal(a, b.cpu()) for a, b in zip(before, agent.policy_parameters()))
+        longer = reinflow.checkpoint_config(reinflow.read_agent_checkpoint(run / "last.pt"),
+                                            {"total_env_steps": 3 * per_iter})
+        agent2, _ = reinflow.build_agent(longer, reinflow.init_checkpoint_path(longer), env.spec)
+        resumed = Tracker(run)
+        assert reinflow.train(longer, agent2, env, run, resumed)["env_steps"] == 3 * per_iter
+        assert [r["iteration"] for r in resumed.rows] == [3]  # on from iteration 2
+
+        # a rollout: 30 steps of 2 envs, each a decision [T, N]; the next state's value is the next decision's
+        # unless the episode ended, its log-prob is the Gaussian's now (PPO's ratio starts at 1), and what ran is
+        # a_b + r with r drawn around mu
+        with torch.no_grad():
+            agent.residual_net[-1].weight.zero_()
+            agent.residual_net[-1].bias.fill_(0.2)
+        agent.set_max_noise_std(0.05)
+        runner = smdp.ChunkRunner(env, agent.obs_horizon, 0.8, "shaped", first_seed=123)
+        buf = StepCollector(agent, runner, torch.Generator().manual_seed(0), n_step=0).rollout(30)
+        assert buf.rewards.shape == (30, 2) and buf.chains.shape == (30, 2, 1, ACT_DIM) and buf.ends.sum() >= 2
+        goes_on = ~buf.ends[:-1]
+        assert torch.allclose(buf.next_values[:-1][goes_on], buf.values[1:][goes_on], atol=1e-6)
+        assert torch.equal(buf.discounts, torch.where(buf.terminal, 0.0, 0.8))
+        s, r = buf.obs.flatten(0, 1), buf.chains.flatten(0, 1)
+        step_lp, _ = agent.cpu().residual_log_probs(s, r)
+        assert torch.allclose(step_lp[:, 0], buf.log_probs.flatten(), atol=1e-5)
+        mean_r = r[:, 0].mean(0)
+        assert torch.allclose(mean_r, torch.full((ACT_DIM,), 0.5 * math.tanh(0.2)), atol=0.02)
+    reloaded = reinflow.load_agent(run / "last.pt")
+    assert type(reloaded) is StepResidualPPOAgent
+    window, a = torch.randn(3, 2, OBS_DIM), torch.zeros(3, ACT_DIM)
+    agent2 = agent2.eval().cpu()
+    assert torch.equal(reloaded.correct_step(window, a), agent2.correct_step(window, a))
