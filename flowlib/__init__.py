@@ -20,6 +20,7 @@ Modules (each with one job):
     latent_sac  the same policy over x_0 learned off-policy (DSRL's learner): twin Q, replay, KL to N(0, I)
     residual  stage 3, steer "residual": PPO on a Gaussian correction of the frozen flow's executed actions
     residual_step  stage 3, steer "residual_step": a correction at every env step, learned by TD3 (the CPU target run)
+                   or by PPO
     pirl      notebook 04's study: 2D marginal and log-prob tables, the noise-method comparison
     evaluate  `python -m flowlib.evaluate`: checkpoints on the same fresh episodes, differences paired per episode
     seeds     `python -m flowlib.seeds`: a result over seeds from evaluate folders (spread, pooled rate)

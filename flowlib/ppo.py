@@ -26,11 +26,56 @@ advantage and its own clipped ratio; the loss averages over the stochastic steps
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+
 ESTIMATORS = ("gae", "mc", "nstep", "grpo", "branch")
+
+
+@dataclass
+class PPOConfig:
+    """The settings of the advantage estimators and of ``ppo_update`` (learner ``"ppo"`` of stage 3).  Notebook 03
+    reads them as flat parameters: ``reinflow.ReinFlowConfig`` composes this class with the other learners'."""
+
+    update_epochs: PositiveInt = 2
+    policy_epochs: NonNegativeInt = 0   # epochs of each update that train the policy (0: all); the value fits all
+    minibatch_size: PositiveInt = 16
+    micro_batch_size: NonNegativeInt = 0  # rows per forward/backward pass in a minibatch (gradient accumulation); 0: all
+    advantage: str = "gae"              # gae / mc / nstep / grpo / branch (ESTIMATORS)
+    gae_lambda: Fraction = 0.95
+    n_step: PositiveInt = 5             # decisions, for advantage = "nstep"
+    group_size: PositiveInt = 2         # envs per GRPO group (same env seed); num_envs must be a multiple
+    branches: PositiveInt = 1           # chains tried per decision from one env state (advantage "branch"; physx_cpu)
+    clip_coef: PositiveFloat = 0.2
+    dual_clip: NonNegativeFloat = 0.0   # c > 1 caps the loss of negative-advantage samples at -c A; 0 = off
+    value_clip: NonNegativeFloat = 0.0  # 0: unclipped value loss
+    huber_delta: NonNegativeFloat = 0.0  # > 0: Huber value loss with this delta; 0: squared error
+    ent_coef: NonNegativeFloat = 0.01
+    vf_coef: NonNegativeFloat = 0.5
+    actor_optimizer: str = "adam"       # "adam", or "sgd": steps along the (norm-clipped) gradient itself
+    target_kl: NonNegativeFloat = 0.0   # 0: no early stop
+    kl_stop: str = "all"                # past target_kl: "all" ends the update, "policy" keeps fitting the value
+    norm_adv: bool = True
+    ratio_mode: str = "joint"           # "joint" (one-layer MDP) or "per_step" (two-layer MDP: a ratio per step)
+
+    def ppo_checks(self) -> list[tuple[bool, str]]:
+        """``(ok, message)`` per check across these fields (``config.require`` raises the first that fails)."""
+        return [
+            (self.policy_epochs <= self.update_epochs,
+             f"policy_epochs must be in [0, update_epochs = {self.update_epochs}] (0: all), got {self.policy_epochs}"),
+            (self.kl_stop in ("all", "policy"), f"kl_stop must be 'all' or 'policy', got {self.kl_stop!r}"),
+            (self.actor_optimizer in ("adam", "sgd"),
+             f"actor_optimizer must be 'adam' or 'sgd', got {self.actor_optimizer!r}"),
+            (self.ratio_mode in ("joint", "per_step"), f"ratio_mode must be 'joint' or 'per_step', got {self.ratio_mode!r}"),
+            (self.advantage in ESTIMATORS, f"advantage must be one of {ESTIMATORS}, got {self.advantage!r}"),
+            (self.group_size >= 2, "group_size must be >= 2 (a group of one has no baseline)"),
+            (self.dual_clip == 0 or self.dual_clip > 1, "dual_clip must be 0 (off) or > 1"),
+        ]
 
 
 # --------------------------------------------------------------------------- advantages
@@ -213,7 +258,7 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
     ``weights [n]`` (0 drops a row).
     ``agent`` provides ``value(obs)``, ``step_log_probs(obs, chains, stochastic) -> ([n, K], entropy [n])``,
     ``joint_log_prob(step_log_probs, stochastic, chains)``, ``policy_parameters()``, ``value_parameters()``.
-    ``cfg`` provides the PPO fields of ``ReinFlowConfig``.
+    ``cfg`` provides the fields of ``PPOConfig`` and ``max_grad_norm``.
 
     ``L = policy_loss - c_H H[noise] + c_v value_loss``.  Before the first optimiser step the stored and
     re-scored log-probs are the same computation on the same grid, so every ratio must be 1: checked

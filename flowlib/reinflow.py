@@ -44,24 +44,6 @@ RESIDUAL_PER = ("action", "chunk")  # steer "residual": one correction per execu
 # flowlib.latent_sac); TD3 from a replay (steer "residual_step", flowlib.residual_step)
 LEARNERS = ("ppo", "sac", "td3")
 PER_STEP_ADVANTAGES = ("gae", "mc", "nstep")  # what PPO on steer "residual_step" estimates over env steps
-# Fields that only some learners or steers read, {(the choice, its values that read them): fields}: set away from its
-# default under another value, such a field would do nothing, so ReinFlowConfig rejects it
-SCOPED_FIELDS = {
-    ("learner", ("ppo",)): ("update_epochs", "policy_epochs", "minibatch_size", "micro_batch_size", "advantage",
-                            "gae_lambda", "n_step", "group_size", "branches", "clip_coef", "dual_clip", "value_clip",
-                            "huber_delta", "ent_coef", "vf_coef", "actor_optimizer", "target_kl", "kl_stop", "norm_adv",
-                            "ratio_mode"),                                                   # flowlib.ppo's update
-    ("learner", ("sac",)): ("sac_init_alpha", "sac_alpha_lr", "sac_target_kl"),             # DSRL's KL weight
-    ("learner", ("td3",)): ("td3_target_noise", "td3_noise_clip", "td3_policy_delay", "td3_n_step", "residual_l2",
-                            "actor_lr_warmup_steps"),
-    ("learner", ("sac", "td3")): ("sac_batch_size", "sac_updates_per_decision", "sac_buffer_size", "sac_tau"),  # replay
-    ("steer", ("latent",)): ("latent_bound",),
-    ("steer", ("residual",)): ("residual_per",),
-    ("steer", ("residual", "residual_step")): ("residual_bound",),
-    ("steer", ("latent", "residual", "residual_step")): ("latent_hidden_dims",),             # their policy's MLP
-}
-
-
 def unread_fields(learner: str, steer: str) -> dict[tuple[str, tuple[str, ...]], tuple[str, ...]]:
     """The groups of ``SCOPED_FIELDS`` that this learner and steer do not read."""
     chosen = {"learner": learner, "steer": steer}
@@ -139,9 +121,63 @@ class RolloutBuffer:
 
 
 @dataclass
-class ReinFlowConfig:
-    """Parameters of notebook 03 (ReinFlow). Defaults are the short CPU run; the paper-size baseline
-    (1M env steps, rollout 128, warm-up 5000 ...) is ``params/03_reinflow/baseline.yaml``."""
+class ReplayConfig:
+    """The replay of the off-policy learners: ``"sac"`` (``flowlib.latent_sac``) and ``"td3"`` (``flowlib.residual_step``)."""
+
+    sac_batch_size: PositiveInt = 256
+    sac_updates_per_decision: PositiveFloat = 1.0  # gradient steps per stored decision (one per env and decision; for
+                                        # steer "residual_step" a decision is an env step): the UTD
+    sac_buffer_size: PositiveInt = 200_000  # decisions kept in the replay buffer (the oldest are dropped)
+    sac_tau: Fraction = 0.005           # Polyak rate of the target Q nets
+
+    def replay_checks(self) -> list[tuple[bool, str]]:
+        return [(self.sac_buffer_size >= self.sac_batch_size,
+                 f"sac_buffer_size ({self.sac_buffer_size}) must hold at least one batch ({self.sac_batch_size})"),
+                (self.sac_tau > 0, f"sac_tau must be in (0, 1], got {self.sac_tau}")]
+
+
+@dataclass
+class SACConfig:
+    """DSRL's learner (``"sac"``, ``flowlib.latent_sac``): soft actor-critic over ``x_0`` with a KL to ``N(0, I)``."""
+
+    sac_init_alpha: PositiveFloat = 1.0  # weight of KL(pi(x_0 | o) || N(0, I)) per dim in the actor's loss, at the start
+    sac_alpha_lr: NonNegativeFloat = 3.0e-3  # 0: alpha stays at sac_init_alpha
+    sac_target_kl: PositiveFloat = 0.1  # alpha moves so that the KL to the stage-1 policy's N(0, I) is this, per dim
+
+
+@dataclass
+class TD3Config:
+    """TD3 on the per-step residual (``"td3"``, ``flowlib.residual_step``; ``ReplayConfig`` applies too)."""
+
+    td3_target_noise: NonNegativeFloat = 0.05  # std of the target policy's smoothing noise (normalised action units)
+    td3_noise_clip: NonNegativeFloat = 0.1  # ... clipped to +-td3_noise_clip
+    td3_policy_delay: PositiveInt = 2   # critic steps per actor (and target) step
+    td3_n_step: PositiveInt = 1         # the critics' target sums n rewards before it bootstraps
+    residual_l2: NonNegativeFloat = 0.0  # the actor's loss adds residual_l2 * mean (r / b)^2: r stays 0 unless Q pays
+    actor_lr_warmup_steps: NonNegativeInt = 0  # env steps past critic_warmup_steps over which the actor's lr
+                                               # ramps from 0 to actor_lr (0: full at once)
+
+
+# Fields that only some learners or steers read, {(the choice, its values that read them): fields}: set away from its
+# default under another value, such a field would do nothing, so ReinFlowConfig rejects it.  A learner's fields are
+# its dataclass's.
+SCOPED_FIELDS = {
+    ("learner", ("ppo",)): tuple(config.field_names(ppo.PPOConfig)),                        # flowlib.ppo's update
+    ("learner", ("sac",)): tuple(config.field_names(SACConfig)),                             # DSRL's KL weight
+    ("learner", ("td3",)): tuple(config.field_names(TD3Config)),
+    ("learner", ("sac", "td3")): tuple(config.field_names(ReplayConfig)),                    # replay
+    ("steer", ("latent",)): ("latent_bound",),
+    ("steer", ("residual",)): ("residual_per",),
+    ("steer", ("residual", "residual_step")): ("residual_bound",),
+    ("steer", ("latent", "residual", "residual_step")): ("latent_hidden_dims",),             # their policy's MLP
+}
+
+
+@dataclass
+class RunConfig:
+    """The fields of a stage-3 run that are no single learner's: the start, the env and learning's reward, the
+    denoising chain and its noise, what RL moves (``steer``) and by which ``learner``, the budget, evaluation and
+    bookkeeping."""
 
     seed: NonNegativeInt = 0
     init_checkpoint: str = ""           # stage-1/2 best_model.pt, relative to outputs/; "" = 01_shortcut_bc/default
@@ -193,60 +229,24 @@ class ReinFlowConfig:
     # steer "residual_step" (flowlib.residual_step): a correction r = mu(o_t, a_b) of every executed action from the
     # current observation (closed loop), learned off-policy with learner "td3" or on-policy with "ppo" (each env step a
     # decision); max_noise_std: r's exploration std
-    # how steer "latent" learns pi(x_0 | o): "ppo" (on-policy: the PPO fields below) or "sac" (flowlib.latent_sac,
-    # DSRL's learner: soft actor-critic over x_0 from a replay buffer, a twin Q(o, x_0) of value_hidden_dims,
-    # actor_lr / critic_lr, the policy frozen while the Q nets warm up for critic_warmup_steps)
+    # how: "ppo" (on-policy, every steer: ppo.PPOConfig), "sac" (steer "latent": DSRL's soft actor-critic over x_0
+    # from a replay, a twin Q(o, x_0) of value_hidden_dims, the policy frozen while the Q nets warm up for
+    # critic_warmup_steps: SACConfig, ReplayConfig) or "td3" (steer "residual_step": TD3Config, ReplayConfig)
     learner: str = "ppo"
-    sac_batch_size: PositiveInt = 256
-    sac_updates_per_decision: PositiveFloat = 1.0  # gradient steps per stored decision (one per env and decision; for
-                                        # steer "residual_step" a decision is an env step): the UTD
-    sac_buffer_size: PositiveInt = 200_000  # decisions kept in the replay buffer (the oldest are dropped)
-    sac_tau: Fraction = 0.005           # Polyak rate of the target Q nets
-    sac_init_alpha: PositiveFloat = 1.0  # weight of KL(pi(x_0 | o) || N(0, I)) per dim in the actor's loss, at the start
-    sac_alpha_lr: NonNegativeFloat = 3.0e-3  # 0: alpha stays at sac_init_alpha
-    sac_target_kl: PositiveFloat = 0.1  # alpha moves so that the KL to the stage-1 policy's N(0, I) is this, per dim
-    # learner "td3" (steer "residual_step"; sac_batch_size / _updates_per_decision / _buffer_size / _tau apply too)
-    td3_target_noise: NonNegativeFloat = 0.05  # std of the target policy's smoothing noise (normalised action units)
-    td3_noise_clip: NonNegativeFloat = 0.1  # ... clipped to +-td3_noise_clip
-    td3_policy_delay: PositiveInt = 2   # critic steps per actor (and target) step
-    td3_n_step: PositiveInt = 1         # the critics' target sums n rewards before it bootstraps
-    residual_l2: NonNegativeFloat = 0.0  # the actor's loss adds residual_l2 * mean (r / b)^2: r stays 0 unless Q pays
-    actor_lr_warmup_steps: NonNegativeInt = 0  # env steps past critic_warmup_steps over which the actor's lr
-                                               # ramps from 0 to actor_lr (0: full at once); learner "td3"
     # the noise method (flowlib.flow_sde; notebook 04)
     noise_method: str = "reinflow"      # reinflow / flow_noise (learned std) / flow_sde / flow_cps (noise_level a)
     noise_level: NonNegativeFloat = 0.5  # a of flow_sde / flow_cps; scaled by the noise schedule like max_noise_std
     hybrid: bool = False                # one random stochastic step per sample, the rest ODE (hybrid ODE-SDE)
     log_prob_reduce: str = "sum"        # "sum" (exact joint log-prob), "mean" (over steps), "mean_dim" (per dim, ReinFlow's code)
-    ratio_mode: str = "joint"           # "joint" (one-layer MDP) or "per_step" (two-layer MDP: a ratio per step)
     critic_input: str = "obs"           # "obs" (V_vlm analogue) or "velocity_features" (V_expert analogue)
     detach_critic_input: bool = True
-    # PPO
+    # training, whichever the learner
     total_env_steps: PositiveInt = 512
     rollout_steps: PositiveInt = 8      # decisions per env per iteration
-    update_epochs: PositiveInt = 2
-    policy_epochs: NonNegativeInt = 0   # epochs of each update that train the policy (0: all); the value fits all
-    minibatch_size: PositiveInt = 16
-    micro_batch_size: NonNegativeInt = 0  # rows per forward/backward pass in a minibatch (gradient accumulation); 0: all
     gamma: Fraction = 0.99
-    advantage: str = "gae"              # gae / mc / nstep / grpo / branch (flowlib.ppo)
-    gae_lambda: Fraction = 0.95
-    n_step: PositiveInt = 5             # decisions, for advantage = "nstep"
-    group_size: PositiveInt = 2         # envs per GRPO group (same env seed); num_envs must be a multiple
-    branches: PositiveInt = 1           # chains tried per decision from one env state (advantage "branch"; physx_cpu)
-    clip_coef: PositiveFloat = 0.2
-    dual_clip: NonNegativeFloat = 0.0   # c > 1 caps the loss of negative-advantage samples at -c A; 0 = off
-    value_clip: NonNegativeFloat = 0.0  # 0: unclipped value loss
-    huber_delta: NonNegativeFloat = 0.0  # > 0: Huber value loss with this delta; 0: squared error
-    ent_coef: NonNegativeFloat = 0.01
-    vf_coef: NonNegativeFloat = 0.5
     actor_lr: PositiveFloat = 3e-5
-    actor_optimizer: str = "adam"       # "adam", or "sgd": steps along the (norm-clipped) gradient itself
     critic_lr: PositiveFloat = 1e-4
     max_grad_norm: PositiveFloat = 1.0
-    target_kl: NonNegativeFloat = 0.0   # 0: no early stop
-    kl_stop: str = "all"                # past target_kl: "all" ends the update, "policy" keeps fitting the value
-    norm_adv: bool = True
     obs_clip: NonNegativeFloat = 5.0    # normalised obs clipped to +-obs_clip (0: off); demos lie within +-7.2 std
     noise_corr: Fraction = 0.0          # correlation of a step's noise along the chunk's H actions, in [0, 1)
     critic_warmup_steps: NonNegativeInt = 128  # iterations that start within these env steps update only the value net
@@ -266,9 +266,20 @@ class ReinFlowConfig:
     run_name: str = "default"
     wandb_mode: str = "disabled"
 
+
+
+@dataclass
+class ReinFlowConfig(TD3Config, SACConfig, ReplayConfig, ppo.PPOConfig, RunConfig):
+    """Parameters of notebook 03 (ReinFlow), flat as papermill passes them: ``RunConfig``'s, then each learner's own
+    (``ppo.PPOConfig``, ``ReplayConfig``, ``SACConfig``, ``TD3Config``).  A field that the chosen learner or steer
+    does not read must stay at its default (``SCOPED_FIELDS``).  Defaults are the short CPU run; the paper-size
+    baseline (1M env steps, rollout 128, warm-up 5000 ...) is ``params/03_reinflow/baseline.yaml``."""
+
     def __post_init__(self):
         check_fields(self)
         require([
+            *self.ppo_checks(),
+            *self.replay_checks(),
             (self.reward in REWARDS, f"reward must be one of {REWARDS}, got {self.reward!r}"),
             (self.success_bonus == 0 or self.reward == "dense",
              f"success_bonus ({self.success_bonus}) applies to reward 'dense' only (got reward {self.reward!r}): "
@@ -296,12 +307,7 @@ class ReinFlowConfig:
             (self.min_noise_std <= min(self.max_noise_std, self.final_noise_std),
              f"need min_noise_std ({self.min_noise_std}) <= final_noise_std ({self.final_noise_std}) and "
              f"max_noise_std ({self.max_noise_std})"),
-            (self.policy_epochs <= self.update_epochs,
-             f"policy_epochs must be in [0, update_epochs = {self.update_epochs}] (0: all), got {self.policy_epochs}"),
             (self.gamma > 0, "gamma must be in (0, 1]"),
-            (self.kl_stop in ("all", "policy"), f"kl_stop must be 'all' or 'policy', got {self.kl_stop!r}"),
-            (self.actor_optimizer in ("adam", "sgd"),
-             f"actor_optimizer must be 'adam' or 'sgd', got {self.actor_optimizer!r}"),
             (self.noise_method in METHODS, f"noise_method must be one of {METHODS}, got {self.noise_method!r}"),
             (self.steer in STEER, f"steer must be one of {STEER}, got {self.steer!r}"),
             (not self.freeze_obs_encoder or self.steer == "chain",
@@ -319,25 +325,18 @@ class ReinFlowConfig:
             (self.steer != "residual_step" or self.advantage in PER_STEP_ADVANTAGES,
              f"steer 'residual_step' with learner 'ppo' takes advantage {' / '.join(PER_STEP_ADVANTAGES)} over env "
              f"steps (got {self.advantage!r}: GRPO's episode groups and branches are chunk-decision estimators)"),
-            (self.sac_buffer_size >= self.sac_batch_size,
-             f"sac_buffer_size ({self.sac_buffer_size}) must hold at least one batch ({self.sac_batch_size})"),
-            (self.sac_tau > 0, f"sac_tau must be in (0, 1], got {self.sac_tau}"),
             (self.steer == "chain" or self.branches == 1,
              f"steer {self.steer!r} cannot branch (branches {self.branches}): branching tries several noisy chains "
              f"from one state, and this agent draws one Gaussian before its chain; use branches: 1 with another advantage"),
             (self.log_prob_reduce in LOG_PROB_REDUCE,
              f"log_prob_reduce must be one of {LOG_PROB_REDUCE}, got {self.log_prob_reduce!r}"),
-            (self.ratio_mode in ("joint", "per_step"), f"ratio_mode must be 'joint' or 'per_step', got {self.ratio_mode!r}"),
             (self.critic_input in ("obs", "velocity_features"),
              f"critic_input must be 'obs' or 'velocity_features', got {self.critic_input!r}"),
-            (self.advantage in ppo.ESTIMATORS, f"advantage must be one of {ppo.ESTIMATORS}, got {self.advantage!r}"),
-            (self.group_size >= 2, "group_size must be >= 2 (a group of one has no baseline)"),
             ((self.advantage == "branch") == (self.branches >= 2),
              f"advantage 'branch' goes with branches >= 2 and branches >= 2 with advantage 'branch' "
              f"(got advantage {self.advantage!r}, branches {self.branches}): set both"),
             (self.advantage != "grpo" or self.num_envs % self.group_size == 0,
              f"advantage 'grpo' needs num_envs ({self.num_envs}) to be a multiple of group_size ({self.group_size})"),
-            (self.dual_clip == 0 or self.dual_clip > 1, "dual_clip must be 0 (off) or > 1"),
             *[(not changed, f"{what} {getattr(self, what)!r} ignores {', '.join(changed)} (read only by {what} "
                f"{' / '.join(map(repr, readers))}): leave the key out or set {what}")
               for (what, readers), changed in self._ignored_fields().items()],
@@ -496,8 +495,9 @@ def _agent(policy, cfg: ReinFlowConfig) -> ReinFlowAgent:
         from .residual_step import StepResidualAgent, StepResidualPPOAgent  # they subclass ReinFlowAgent
 
         agent = StepResidualPPOAgent if cfg.learner == "ppo" else StepResidualAgent
-        return agent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std, tuple(cfg.value_hidden_dims),
-                     cfg.residual_bound, tuple(cfg.latent_hidden_dims), correct_gripper=cfg.residual_gripper, **common)
+        return agent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
+                     tuple(cfg.value_hidden_dims), cfg.residual_bound, tuple(cfg.latent_hidden_dims),
+                     correct_gripper=cfg.residual_gripper, **common)
     if cfg.steer == "residual":
         from .residual import ResidualAgent  # it subclasses LatentSteeringAgent
 
@@ -517,7 +517,9 @@ def build_agent(cfg: ReinFlowConfig, path: Path, spec=None) -> tuple[ReinFlowAge
     policy, critic = load_from_aw_shortcut_flow(path, spec)
     agent = _agent(policy, cfg)
     how = "fresh"
-    if cfg.warm_start_value and cfg.critic_input == "obs" and critic is not None and hasattr(critic, "value_net"):
+    # steer "residual_step" learns Q(o, a_b, r) (TD3) or V(o, a_b) (PPO), not the window's V of a stage-2 critic
+    if (cfg.warm_start_value and cfg.critic_input == "obs" and cfg.steer != "residual_step" and critic is not None
+            and hasattr(critic, "value_net")):
         try:
             agent.value_net.load_state_dict(critic.value_net.state_dict())
             how = f"stage-2 {critic.kind} V"

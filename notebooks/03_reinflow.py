@@ -147,7 +147,10 @@
 # $y = \sum_{k<m} \gamma^k R_{t+k} + \gamma^m (1 - \text{term}) \min_j \bar Q_j(s_{t+m}, \cdot)$, $m = n$ or fewer where
 # the episode ends (Sutton & Barto 2018, Eq. 7.1; D4PG and Rainbow use it without an off-policy correction): a
 # reward reaches the target $n$ steps back at once instead of through $n$ bootstraps of a critic still being fitted,
-# at the price of the exploration noise of the $n - 1$ steps after $t$ entering $Q(s_t, r_t)$. Why per step: the stage-1 policy grasps
+# at the price of the exploration noise of the $n - 1$ steps after $t$ entering $Q(s_t, r_t)$. With `learner = "ppo"`
+# the same correction is learned on-policy: $r_t \sim \mathcal N(\mu_\phi(s_t), \sigma^2 I)$ unclipped, a state value
+# $V_\psi(s_t)$, GAE over env steps, and every env step is a PPO decision whose log-prob has the arm's 3 dims
+# (`params/03_reinflow/cpu_step_ppo.yaml`). Why per step: the stage-1 policy grasps
 # the cube in 0.90 of held-out episodes but places it in 0.58, hovering centimetres from the goal; a hand-written
 # per-step nudge towards the goal while grasped lifts it to 0.88 on the same 200 episodes.
 
@@ -191,8 +194,8 @@ noise_decay_steps = 512
 include_initial_noise = False
 log_prob_over = "chunk"
 steer = "chain"  # "latent": PPO on a Gaussian policy over x_0 (flowlib.latent); "residual": on a correction of the
-                 # executed actions (flowlib.residual); "residual_step": TD3 on a per-step correction
-                 # (flowlib.residual_step, learner "td3"); all three keep the flow frozen
+                 # executed actions (flowlib.residual); "residual_step": a per-step correction learned by TD3 or
+                 # PPO (flowlib.residual_step); all three keep the flow frozen
 freeze_obs_encoder = False  # steer "chain": keep the velocity net's obs_encoder (stage 1's obs_emb_dim > 0) fixed
 latent_bound = 2.5
 latent_hidden_dims = [256, 256]
@@ -200,7 +203,7 @@ residual_bound = 0.5
 residual_gripper = True  # steer "residual_step": False leaves the gripper dim to the base
 residual_per = "action"  # steer "residual": "chunk" adds one correction r [A] to every executed action
 learner = "ppo"  # steer "latent": "sac" learns pi(x_0 | o) off-policy from a replay buffer (flowlib.latent_sac)
-                 # steer "residual_step": "td3"
+                 # steer "residual_step": "td3" (off-policy) or "ppo" (every env step a decision)
 sac_batch_size = 256
 sac_updates_per_decision = 1.0
 sac_buffer_size = 200000
