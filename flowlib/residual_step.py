@@ -330,7 +330,8 @@ class StepCollector:
     as stage 1 runs); an env whose episode ended re-plans alone at its reset and joins the common schedule at the
     next boundary (its first chunk is cut short), so a rollout costs about one chain call per ``Ta`` steps plus one
     per ended episode, not one per env and chunk.  It persists across iterations and re-plans every env when the
-    runner's windows changed under it (a validation restarts them)."""
+    runner's windows changed under it (a validation restarts them).  ``n_step`` >= 1 (TD3) turns the steps into
+    ``n``-step transitions; 0 (PPO) passes each step on as it ran, with its ``end`` flag."""
 
     def __init__(self, agent: StepResidualAgent, runner: ChunkRunner, generator: torch.Generator | None = None,
                  n_step: int = 1):
@@ -348,8 +349,9 @@ class StepCollector:
 
     @torch.no_grad()
     def collect(self, buffer: ReplayBuffer, num_steps: int) -> float:
-        """``num_steps`` env steps of every env with ``r = clip(mu(s) + N(0, sigma^2), -b, b)``, each transition
-        stored in ``buffer``; returns the policy's share of the wall time."""
+        """``num_steps`` env steps of every env with ``r = agent.explore_noise(mu(s))`` (TD3: clipped to ``+-b``; PPO:
+        not), each transition added to ``buffer`` (TD3's replay, or PPO's steps); returns the policy's share of the
+        wall time."""
         agent, runner, device = self.agent, self.runner, self.agent.explore_std.device
         N, Ta, A = runner.env.num_envs, agent.act_horizon, agent.action_dim
         tp, policy_time = time.time(), 0.0
