@@ -44,10 +44,6 @@ RESIDUAL_PER = ("action", "chunk")  # steer "residual": one correction per execu
 # flowlib.latent_sac); TD3 from a replay (steer "residual_step", flowlib.residual_step)
 LEARNERS = ("ppo", "sac", "td3")
 PER_STEP_ADVANTAGES = ("gae", "mc", "nstep")  # what PPO on steer "residual_step" estimates over env steps
-def unread_fields(learner: str, steer: str) -> dict[tuple[str, tuple[str, ...]], tuple[str, ...]]:
-    """The groups of ``SCOPED_FIELDS`` that this learner and steer do not read."""
-    chosen = {"learner": learner, "steer": steer}
-    return {group: names for group, names in SCOPED_FIELDS.items() if chosen[group[0]] not in group[1]}
 
 
 def noise_schedule(kind: str, progress: float, init: float, final: float) -> float:
@@ -122,7 +118,8 @@ class RolloutBuffer:
 
 @dataclass
 class ReplayConfig:
-    """The replay of the off-policy learners: ``"sac"`` (``flowlib.latent_sac``) and ``"td3"`` (``flowlib.residual_step``)."""
+    """The replay of the off-policy learners, ``"sac"`` (``flowlib.latent_sac``) and ``"td3"``
+    (``flowlib.residual_step``)."""
 
     sac_batch_size: PositiveInt = 256
     sac_updates_per_decision: PositiveFloat = 1.0  # gradient steps per stored decision (one per env and decision; for
@@ -171,6 +168,12 @@ SCOPED_FIELDS = {
     ("steer", ("residual", "residual_step")): ("residual_bound",),
     ("steer", ("latent", "residual", "residual_step")): ("latent_hidden_dims",),             # their policy's MLP
 }
+
+
+def unread_fields(learner: str, steer: str) -> dict[tuple[str, tuple[str, ...]], tuple[str, ...]]:
+    """The groups of ``SCOPED_FIELDS`` that this learner and steer do not read."""
+    chosen = {"learner": learner, "steer": steer}
+    return {group: names for group, names in SCOPED_FIELDS.items() if chosen[group[0]] not in group[1]}
 
 
 @dataclass
@@ -265,7 +268,6 @@ class RunConfig:
     resume: bool = True
     run_name: str = "default"
     wandb_mode: str = "disabled"
-
 
 
 @dataclass

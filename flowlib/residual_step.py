@@ -216,12 +216,12 @@ class StepResidualPPOAgent(StepResidualAgent):
         chains = steps["latent"].flatten(0, 1)[:, None].to(device)                           # [T*N, 1, A]
         stochastic = torch.ones(T * N, 1, dtype=torch.bool, device=device)
         step_lp, _ = self.residual_log_probs(s, chains, stochastic)
+        log_prob = self.joint_log_prob(step_lp, stochastic, chains)                          # [T*N]
+        value, next_value = self.state_value(s)[:, 0], self.state_value(s_next)[:, 0]      # [T*N]
         return RolloutBuffer(obs=per_env(s), chains=per_env(chains), stochastic=per_env(stochastic),
-                             step_log_probs=per_env(step_lp), log_probs=per_env(self.joint_log_prob(step_lp, stochastic,
-                                                                                                    chains)),
-                             values=per_env(self.state_value(s)[:, 0]), rewards=steps["reward"],
-                             discounts=steps["bootstrap"], next_values=per_env(self.state_value(s_next)[:, 0]), terminal=steps["bootstrap"] == 0,
-                             ends=steps["end"], weights=torch.ones(T, N))
+                             step_log_probs=per_env(step_lp), log_probs=per_env(log_prob), values=per_env(value),
+                             rewards=steps["reward"], discounts=steps["bootstrap"], next_values=per_env(next_value),
+                             terminal=steps["bootstrap"] == 0, ends=steps["end"], weights=torch.ones(T, N))
 
 
 class _PPOView:
