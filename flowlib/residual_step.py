@@ -51,7 +51,7 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from .flow_sde import LOG_2PI
+from .flow_sde import gaussian_entropy, gaussian_log_prob
 from .latent import refuse_chain_options
 from .latent_sac import ReplayBuffer, TwinQ, on_all_cores, resume_with_replay
 from .nets import frozen, mlp
@@ -69,6 +69,7 @@ class StepResidualAgent(ReinFlowAgent):
     ReinFlow noise and value nets it inherits are unused."""
 
     STEER = "residual_step"
+    CLIP_EXPLORATION = True  # TD3 stores the clipped draw; PPO's subclass scores an unclipped one
 
     def __init__(self, policy, num_inference_steps: int = 8, min_noise_std: float = 0.01, max_noise_std: float = 0.05,
                  value_hidden_dims: tuple[int, ...] = (256, 256), residual_bound: float = 0.5,
@@ -144,9 +145,9 @@ class StepResidualAgent(ReinFlowAgent):
         return self.action_normalizer.unnormalize(base + r).clamp(-1.0, 1.0)
 
     def explore_noise(self, r: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        """``clip(r + N(0, sigma^2), -b, b)``."""
-        eps = torch.randn(r.shape, generator=generator).to(r.device)
-        return (r + self.explore_std * eps * self.residual_mask).clamp(-self.residual_bound, self.residual_bound)
+        """``r + N(0, sigma^2)`` on the dims ``r`` acts on, clipped to ``[-b, b]`` when ``CLIP_EXPLORATION`` (TD3)."""
+        r = r + self.explore_std * torch.randn(r.shape, generator=generator).to(r.device) * self.residual_mask
+        return r.clamp(-self.residual_bound, self.residual_bound) if self.CLIP_EXPLORATION else r
 
     def critic(self, s: torch.Tensor, r: torch.Tensor, target: bool = False) -> torch.Tensor:
         """``Q_1, Q_2 (s, r)`` ``[2, B]`` (``target``: the Polyak-averaged pair), with ``r / b`` as input, so that the
@@ -175,24 +176,21 @@ class StepResidualPPOAgent(StepResidualAgent):
     and ``r`` as a one-row chain ``[1, A]``, and ``ppo_view`` is what ``flowlib.ppo.ppo_update`` scores them with.
     The chain methods it inherits (``sample``, ``log_prob``, ``value`` of a window) stay the base flow's."""
 
+    CLIP_EXPLORATION = False  # r is drawn unclipped, so the Gaussian density PPO scores is exact
+
     def _build_critics(self, hidden: tuple[int, ...]) -> None:
         self.state_value = mlp([self.state_dim, *hidden, 1], act=nn.Mish)
 
     def value_parameters(self):
         return list(self.state_value.parameters())
 
-    def explore_noise(self, r: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        """``r + N(0, sigma^2)`` on the dims ``r`` acts on, unclipped: the draw PPO scores."""
-        eps = torch.randn(r.shape, generator=generator).to(r.device)
-        return r + self.explore_std * eps * self.residual_mask
-
     def residual_log_probs(self, s: torch.Tensor, chains: torch.Tensor, stochastic: torch.Tensor | None = None):
         """``log N(r; mu_phi(s), sigma^2 I)`` over the dims ``r`` acts on, ``[B, 1]``, for ``r = chains[:, 0]``
         (``chains [B, 1, A]``), and the Gaussian's entropy per dim ``[B]`` (a constant: ``sigma`` is scheduled)."""
-        r, mu, log_std = chains[:, 0], self.residual(s), self.explore_std.log()
-        per_dim = -0.5 * ((r - mu) / self.explore_std) ** 2 - log_std - 0.5 * LOG_2PI        # [B, A]
-        entropy = (0.5 * (1.0 + LOG_2PI) + log_std).expand(len(s))
-        return (per_dim * self.residual_mask).sum(1, keepdim=True), entropy
+        acts = self.residual_mask.bool()                                                      # [A]
+        r, mu = chains[:, 0, acts], self.residual(s)[:, acts]                                 # [B, A'] each
+        sigma = self.explore_std.expand_as(r)
+        return gaussian_log_prob(r, mu, sigma)[:, None], gaussian_entropy(sigma)
 
     def ppo_view(self) -> "_PPOView":
         return _PPOView(self)
