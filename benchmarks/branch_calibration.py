@@ -17,7 +17,7 @@ noisy decisions first, up to ``--max-skip``); envs whose episode has ended by th
 Prints and writes (``outputs/benchmarks/branch_calibration/<name>.json``) the pairs, the slope +- SE and
 Pearson r of ``G_0 - G_1`` on the critic's ``Q_0 - Q_1`` (``scipy.stats.linregress``), the share of pairs whose
 signs agree among those where ``G`` differs, and, for contrast, r between the levels ``Q_0`` and ``G_0``.
-Rewards are as learning sees them (``reward_scale``, ``success_bonus``). physx_cpu only.
+Rewards are as learning sees them (``reinflow.learning_runner``). physx_cpu only.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch
 from scipy import stats
 from tqdm import tqdm
 
-from flowlib import reinflow, smdp
+from flowlib import reinflow
 from flowlib.envs import make_env
 from flowlib.run import parse_overrides
 from flowlib.runs import run_dir, save_json
@@ -52,8 +52,7 @@ def main(argv=None) -> dict:
     gen = torch.Generator().manual_seed(args.seed)
     q_hat, g, t0 = [[], []], [[], []], time.time()
     with torch.no_grad(), make_env(cfg.env_id, args.num_envs, max_episode_steps=cfg.max_episode_steps) as env:
-        runner = smdp.ChunkRunner(env, agent.obs_horizon, cfg.gamma, cfg.reward, first_seed=args.seed,
-                                  reward_scale=cfg.reward_scale, success_bonus=cfg.success_bonus)
+        runner = reinflow.learning_runner(cfg, env, agent.obs_horizon, args.seed)
         for _ in tqdm(range(args.batches), desc="branch points", mininterval=10):
             runner.restart()
             for _ in range(int(torch.randint(args.max_skip + 1, (1,), generator=gen))):

@@ -588,8 +588,11 @@ def policy_gradient(agent: ReinFlowAgent, obs: torch.Tensor, chains: torch.Tenso
     likelihood-ratio policy gradient (Williams 1992) of the denoising MDP, with the chain's log-likelihood of
     ReinFlow Eq. 5: the gradient of the PPO surrogate (Schulman et al. 2017, Eq. 7) on the first minibatch
     of an update, where every ratio is 1 (before advantage normalisation, which the caller does or not).
-    A parameter that the log-prob does not reach gets a zero gradient."""
-    log_prob, _ = agent.log_prob(obs, chains, stochastic)
+    ``agent`` is what ``ppo_update`` scores with (a per-step residual's ``ppo_view()``: ``obs`` the states
+    ``s [B, S]``, ``chains`` ``r [B, 1, A]``).  A parameter that the log-prob does not reach gets a zero gradient."""
+    stochastic = stochastic.to(chains.device)
+    step_lp, _ = agent.step_log_probs(obs, chains, stochastic)
+    log_prob = agent.joint_log_prob(step_lp, stochastic, chains)
     grads = torch.autograd.grad(-(advantages * log_prob).mean(), params, allow_unused=True)
     return torch.cat([(torch.zeros_like(p) if g is None else g).flatten() for g, p in zip(grads, params)])
 
@@ -690,13 +693,20 @@ def resume(cfg: ReinFlowConfig, agent: ReinFlowAgent, last: Path, actor_opt, cri
         if tracker is not None:
             tracker.rewind(env_steps)
         print(f"resumed from {last} at iteration {start} ({env_steps} env steps)")
-    runner = ChunkRunner(env, agent.obs_horizon, cfg.gamma, cfg.reward, first_seed=next_seed,
-                         reward_scale=cfg.reward_scale, success_bonus=cfg.success_bonus,
-                         reach_weight=cfg.reach_weight, grasp_min_gap=cfg.grasp_min_gap,
-                         place_weight=cfg.place_weight, place_sharpness=cfg.place_sharpness,
-                         reach_sharpness=cfg.reach_sharpness)
+    runner = learning_runner(cfg, env, agent.obs_horizon, next_seed)
     runner.env_steps = env_steps
     return start, runner, best, ckpt
+
+
+def learning_runner(cfg: ReinFlowConfig, env, obs_horizon: int, first_seed: int) -> ChunkRunner:
+    """The ``ChunkRunner`` that pays ``cfg``'s learning reward (its kind, scale, bonus and PickCube's reach, grasp
+    and place terms), with episodes from ``first_seed`` on: what a run trains on, and what a benchmark of its
+    checkpoint must score with."""
+    return ChunkRunner(env, obs_horizon, cfg.gamma, cfg.reward, first_seed=first_seed,
+                       reward_scale=cfg.reward_scale, success_bonus=cfg.success_bonus,
+                       reach_weight=cfg.reach_weight, grasp_min_gap=cfg.grasp_min_gap,
+                       place_weight=cfg.place_weight, place_sharpness=cfg.place_sharpness,
+                       reach_sharpness=cfg.reach_sharpness)
 
 
 def train(cfg: ReinFlowConfig, agent: ReinFlowAgent, env, run_path: Path, tracker=None) -> dict:

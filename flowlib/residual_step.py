@@ -290,6 +290,16 @@ def replay_buffer(agent: StepResidualAgent, capacity: int) -> ReplayBuffer:
     return ReplayBuffer(capacity, (agent.obs_horizon, agent.obs_dim), (A,), base=(A,), next_base=(A,))
 
 
+def actor_loss(agent: StepResidualAgent, s: torch.Tensor, residual_l2: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """TD3's actor loss on the states ``s [B, S]``, ``-mean Q_1(s, mu_phi(s)) + residual_l2 mean (mu / b)^2``, and
+    ``mu [B, A]``.  Its gradient in ``phi`` is the deterministic policy gradient (Silver et al. 2014, Theorem 1) through
+    the critic (Fujimoto et al. 2018, Alg. 1); the critics get none (``frozen``)."""
+    mu = agent.residual(s)                                                                    # [B, A]
+    with frozen(agent.q):  # dQ_1/dr only: no weight gradients for the critics, no Q_2 (a third of the step)
+        q_pi = agent.critic_1(s, mu)                                                          # [B]
+    return -q_pi.mean() + residual_l2 * (mu / agent.residual_bound).pow(2).mean(), mu
+
+
 def td3_update(agent: StepResidualAgent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg: ReinFlowConfig,
                train_policy: bool = True) -> dict[str, float]:
     """One critic step on the TD3 target, then (``train_policy``) one actor step and the Polyak step of the
@@ -310,15 +320,12 @@ def td3_update(agent: StepResidualAgent, batch: dict[str, torch.Tensor], actor_o
     critic_opt.step()
     stats = {"value_loss": q_loss.item() / 2, "q": q.mean().item(), "target": y.mean().item()}
     if train_policy:
-        mu = agent.residual(s)                                                                # [B, A]
-        with frozen(agent.q):  # dQ_1/dr only: no weight gradients for the critics, no Q_2 (a third of the step)
-            q_pi = agent.critic_1(s, mu)                                                      # [B]
-        actor_loss = -q_pi.mean() + cfg.residual_l2 * (mu / agent.residual_bound).pow(2).mean()
+        loss, mu = actor_loss(agent, s, cfg.residual_l2)
         actor_opt.zero_grad(set_to_none=True)
-        actor_loss.backward()
+        loss.backward()
         nn.utils.clip_grad_norm_(actor_opt.param_groups[0]["params"], cfg.max_grad_norm)  # = policy_parameters()
         actor_opt.step()
-        stats.update({"policy_loss": actor_loss.item(), "residual_rms": mu.pow(2).mean().sqrt().item()})
+        stats.update({"policy_loss": loss.item(), "residual_rms": mu.pow(2).mean().sqrt().item()})
     agent.update_targets(cfg.sac_tau, actor=train_policy)  # Q_bar follows Q in the warm-up too
     return stats
 
@@ -388,13 +395,19 @@ class StepCollector:
         self.window = runner.window.clone()
         return policy_time
 
-    def rollout(self, num_steps: int) -> RolloutBuffer:
-        """Learner ``"ppo"``: ``num_steps`` env steps of every env, each one decision, as the agent scores them
-        (``StepResidualPPOAgent.score_rollout``; build the collector with ``n_step = 0``)."""
+    def steps(self, num_steps: int) -> tuple[dict[str, torch.Tensor], float]:
+        """``num_steps`` env steps of every env as they ran (build the collector with ``n_step = 0``), each field of
+        ``collect``'s transitions stacked ``[T, N, ...]``, and the policy's share of the wall time."""
         steps = _Steps()
         policy_time = self.collect(steps, num_steps)
+        return {k: torch.stack([row[k] for row in steps]) for k in steps[0]}, policy_time
+
+    def rollout(self, num_steps: int) -> RolloutBuffer:
+        """Learner ``"ppo"``: ``num_steps`` env steps of every env, each one decision, as the agent scores them
+        (``StepResidualPPOAgent.score_rollout``)."""
+        steps, policy_time = self.steps(num_steps)
         t = time.time()
-        buf = self.agent.score_rollout({k: torch.stack([row[k] for row in steps]) for k in steps[0]})
+        buf = self.agent.score_rollout(steps)
         buf.policy_time = policy_time + time.time() - t
         return buf
 

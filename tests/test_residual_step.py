@@ -280,7 +280,16 @@ def test_the_actor_lr_ramps_from_zero_past_the_critic_warmup_and_only_td3_has_th
         reinflow.ReinFlowConfig(actor_lr_warmup_steps=4000)
 
 
-def test_td3_runs_in_a_real_pickcube_env_and_its_transitions_chain_step_to_step(tmp_path):
+def gradient_snr_of(run: Path, monkeypatch, tmp_path) -> dict:
+    """``benchmarks/gradient_snr.py`` on ``run``'s last.pt: 2 rollouts x 2 envs x 5 env steps, 4 units."""
+    import json
+
+    monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "outputs"))
+    load_benchmark("gradient_snr").main([str(run / "last.pt"), "--rollouts", "2", "--num-envs", "2", "--decisions", "5"])
+    return json.loads((tmp_path / "outputs" / "benchmarks" / "gradient_snr" / "default.json").read_text())
+
+
+def test_td3_runs_in_a_real_pickcube_env_and_its_transitions_chain_step_to_step(tmp_path, monkeypatch):
     policy, _ = tiny_policy()
     path = tmp_path / "stage1.pt"
     bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
@@ -350,6 +359,12 @@ def test_td3_runs_in_a_real_pickcube_env_and_its_transitions_chain_step_to_step(
     a = torch.zeros(3, ACT_DIM)
     agent2 = agent2.eval().cpu()  # trained on the GPU if any
     assert torch.equal(reloaded.correct_step(window, a), agent2.correct_step(window, a))
+    # the gradient-SNR benchmark on it: TD3's actor gradient through Q_1, one per env's 5 steps, over mu's weights
+    result = gradient_snr_of(run, monkeypatch, tmp_path)
+    assert result["learner"] == "td3" and result["units"] == 4 and result["decisions"] == 20
+    assert result["explained_variance"] is None and set(result) & {"velocity", "noise"} == set()
+    assert result["residual"]["params"] == sum(p.numel() for p in reloaded.policy_parameters())
+    assert result["residual"]["noise"] > 0  # units see different states, so their gradients differ
 
 
 def test_the_update_speed_benchmark_times_each_adam_on_a_params_files_agent(tmp_path, monkeypatch):
@@ -516,6 +531,23 @@ def test_ppo_scores_r_with_the_exact_gaussian_on_the_arm_dims_and_draws_it_uncli
     assert agent.value(obs).shape == (5,)  # the chain methods it inherits still read an observation window
 
 
+def test_the_per_step_policy_gradient_is_the_score_of_the_gaussian_on_the_arm_dims_weighted_by_the_advantage():
+    """``reinflow.policy_gradient`` through ``ppo_view`` (what the SNR benchmark measures) against
+    ``torch.distributions.Normal``'s log-prob of ``r`` on the dims it acts on."""
+    agent, obs, _ = step_agent(bound=0.3, cls=StepResidualPPOAgent, correct_gripper=False)
+    torch.nn.init.normal_(agent.residual_net[-1].weight, std=0.1)  # mu != 0 and depends on the weights
+    s = agent.state(obs, torch.rand(5, ACT_DIM) * 2 - 1).repeat(4, 1)                     # [20, S]
+    with torch.no_grad():
+        r = agent.explore_noise(agent.residual(s), torch.Generator().manual_seed(0))      # [20, A]
+    adv = torch.randn(20, generator=torch.Generator().manual_seed(1))
+    params = agent.policy_parameters()
+    grad = reinflow.policy_gradient(agent.ppo_view(), s, r[:, None], torch.ones(20, 1, dtype=torch.bool), adv,
+                                    params)
+    log_prob = torch.distributions.Normal(agent.residual(s)[:, :-1], 0.05).log_prob(r[:, :-1]).sum(1)
+    closed = torch.autograd.grad(-(adv * log_prob).mean(), params)
+    assert grad.abs().max() > 0 and torch.allclose(grad, torch.cat([g.flatten() for g in closed]), atol=1e-5)
+
+
 def test_ppo_moves_the_per_step_mean_towards_the_correction_that_pays_and_leaves_the_flow_as_it_was():
     """A one-step bandit over the residual's state: reward = -|r - c|^2 for a fixed c inside the bound."""
     agent, obs, policy = step_agent(bound=0.5, cls=StepResidualPPOAgent)
@@ -541,7 +573,7 @@ def test_ppo_moves_the_per_step_mean_towards_the_correction_that_pays_and_leaves
     assert all(torch.equal(v, policy.flow.net.state_dict()[k]) for k, v in flow_before.items())
 
 
-def test_ppo_on_the_per_step_residual_runs_in_a_real_pickcube_env_every_step_a_decision(tmp_path):
+def test_ppo_on_the_per_step_residual_runs_in_a_real_pickcube_env_every_step_a_decision(tmp_path, monkeypatch):
     policy, _ = tiny_policy()
     path = tmp_path / "stage1.pt"
     bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
@@ -594,3 +626,9 @@ def test_ppo_on_the_per_step_residual_runs_in_a_real_pickcube_env_every_step_a_d
     window, a = torch.randn(3, 2, OBS_DIM), torch.zeros(3, ACT_DIM)
     agent2 = agent2.eval().cpu()
     assert torch.equal(reloaded.correct_step(window, a), agent2.correct_step(window, a))
+    # the gradient-SNR benchmark on it: PPO's likelihood-ratio gradient of r's Gaussian, GAE from V(s)
+    result = gradient_snr_of(run, monkeypatch, tmp_path)
+    assert result["learner"] == "ppo" and result["units"] == 4 and result["decisions"] == 20
+    assert -1 <= result["explained_variance"] <= 1 and "velocity" not in result
+    assert result["residual"]["params"] == sum(p.numel() for p in reloaded.policy_parameters())
+    assert result["residual"]["noise"] > 0
