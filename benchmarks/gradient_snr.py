@@ -81,13 +81,13 @@ def main(argv=None) -> None:
     t0, gen, pool = time.time(), torch.Generator().manual_seed(args.seed), []
     with make_env(cfg.env_id, args.num_envs, max_episode_steps=cfg.max_episode_steps) as env:
         runner = reinflow.learning_runner(cfg, env, agent.obs_horizon, args.seed)
-        steps = residual_step.StepCollector(agent, runner, gen, n_step=0) if per_step else None
+        collector = residual_step.StepCollector(agent, runner, gen, n_step=0) if per_step else None
         for _ in tqdm(range(args.rollouts), desc="rollouts", mininterval=10):
             runner.restart()
             if td3:  # the states TD3's actor step would sample from its replay
-                pool.append(steps.steps(T)[0])
+                pool.append(collector.steps(T)[0])
                 continue
-            buf = steps.rollout(T) if per_step else reinflow.collect(agent, runner, T, gen, branches=cfg.branches)
+            buf = collector.rollout(T) if per_step else reinflow.collect(agent, runner, T, gen, branches=cfg.branches)
             advantages, returns = buf.advantages(cfg)
             pool.append((buf, advantages, returns))
     episodes = runner.pop_finished()

@@ -290,7 +290,8 @@ def replay_buffer(agent: StepResidualAgent, capacity: int) -> ReplayBuffer:
     return ReplayBuffer(capacity, (agent.obs_horizon, agent.obs_dim), (A,), base=(A,), next_base=(A,))
 
 
-def actor_loss(agent: StepResidualAgent, s: torch.Tensor, residual_l2: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def actor_loss(agent: StepResidualAgent, s: torch.Tensor,
+               residual_l2: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """TD3's actor loss on the states ``s [B, S]``, ``-mean Q_1(s, mu_phi(s)) + residual_l2 mean (mu / b)^2``, and
     ``mu [B, A]``.  Its gradient in ``phi`` is the deterministic policy gradient (Silver et al. 2014, Theorem 1) through
     the critic (Fujimoto et al. 2018, Alg. 1); the critics get none (``frozen``)."""

@@ -285,7 +285,8 @@ def gradient_snr_of(run: Path, monkeypatch, tmp_path) -> dict:
     import json
 
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "outputs"))
-    load_benchmark("gradient_snr").main([str(run / "last.pt"), "--rollouts", "2", "--num-envs", "2", "--decisions", "5"])
+    args = [str(run / "last.pt"), "--rollouts", "2", "--num-envs", "2", "--decisions", "5"]
+    load_benchmark("gradient_snr").main(args)
     return json.loads((tmp_path / "outputs" / "benchmarks" / "gradient_snr" / "default.json").read_text())
 
 
