@@ -150,9 +150,9 @@
 # at the price of the exploration noise of the $n - 1$ steps after $t$ entering $Q(s_t, r_t)$. With `learner = "ppo"`
 # the same correction is learned on-policy: $r_t \sim \mathcal N(\mu_\phi(s_t), \sigma^2 I)$ unclipped, a state value
 # $V_\psi(s_t)$, GAE over env steps, and every env step is a PPO decision whose log-prob has the arm's 3 dims
-# (`params/03_reinflow/cpu_step_ppo.yaml`). Why per step: the stage-1 policy grasps
-# the cube in 0.90 of held-out episodes but places it in 0.58, hovering centimetres from the goal; a hand-written
-# per-step nudge towards the goal while grasped lifts it to 0.88 on the same 200 episodes.
+# (`params/03_reinflow/cpu_step_ppo.yaml`: 0.962 over three seeds at 1.02M env steps, 5-8x what TD3 needs). Why per
+# step: the stage-1 policy grasps the cube in 0.90 of held-out episodes but places it in 0.58, hovering centimetres
+# from the goal; a hand-written per-step nudge towards the goal while grasped lifts it to 0.88 on the same 200 episodes.
 
 # %%
 import time
@@ -428,3 +428,11 @@ print(f"success_once {before['success_once']:.2f} -> {after['success_once']:.2f}
 # 256-decision iteration has a cosine of at most ~0.01-0.02 with the expected gradient, and half-clear updates need
 # more than 15k-28k decisions each. The noise $s$ falls as $1/\sigma^2$ with the exploration std $\sigma$, since each
 # score term carries $\varepsilon / \sigma$.
+#
+# The same script measures the per-step residual (`steer = "residual_step"`), whose decisions are single env steps.
+# With `learner = "ppo"` it takes the likelihood-ratio gradient of $\mathcal N(\mu_\phi(s), \sigma^2 I)$. With
+# `learner = "td3"` it takes TD3's deterministic policy gradient $\nabla_\phi Q_1(s, \mu_\phi(s))$
+# (`residual_step.actor_loss`), which samples no noise of its own. At 311k env steps, PPO's gradient shows no signal in
+# 65k decisions (more than 87k for cosine 1/2), while TD3's needs 17.7k. At PPO's converged 1M checkpoint its
+# gradient needs 25.8k: a 256-decision step is mostly noise for both. TD3 also takes 8x as many steps per env step
+# from its replay (docs/stage3.md, "The same residual, learned by PPO").
