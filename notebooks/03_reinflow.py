@@ -433,6 +433,6 @@ print(f"success_once {before['success_once']:.2f} -> {after['success_once']:.2f}
 # With `learner = "ppo"` it takes the likelihood-ratio gradient of $\mathcal N(\mu_\phi(s), \sigma^2 I)$. With
 # `learner = "td3"` it takes TD3's deterministic policy gradient $\nabla_\phi Q_1(s, \mu_\phi(s))$
 # (`residual_step.actor_loss`), which samples no noise of its own. At 311k env steps, PPO's gradient shows no signal in
-# 65k decisions (more than 87k for cosine 1/2), while TD3's needs 17.7k. At PPO's converged 1M checkpoint its
-# gradient needs 25.8k: a 256-decision step is mostly noise for both. TD3 also takes 8x as many steps per env step
-# from its replay (docs/stage3.md, "The same residual, learned by PPO").
+# 65k decisions on any of three seeds, while TD3's is detected on all three (5k-18k decisions for cosine 1/2). At
+# PPO's converged 1M checkpoint its gradient needs 25.8k: a 256-decision step is mostly noise for both. TD3 also
+# takes 8x as many steps per env step from its replay (docs/stage3.md, "The same residual, learned by PPO").
