@@ -92,3 +92,25 @@ def test_what_has_no_meaning_for_a_residual_policy_is_refused():
         reinflow.ReinFlowConfig(steer="residual", advantage="branch", branches=2)
     with pytest.raises(ValueError, match="learner 'sac' .* needs steer 'latent'"):
         reinflow.ReinFlowConfig(steer="residual", learner="sac")
+
+
+def test_the_residual_mean_benchmark_reads_mu_per_action_dim():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "residual_mean.py"
+    spec = importlib.util.spec_from_file_location("residual_mean", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    agent, obs, _ = residual_agent(residual_per="chunk")
+    c = torch.tensor([0.3, -2.0, 0.0, 1.0])  # mu = 0.5 tanh(c) whatever the input: a known push per dim
+    with torch.no_grad():
+        agent.latent_net[-1].weight.zero_()
+        agent.latent_net[-1].bias.copy_(c)
+    stats = bench.residual_stats(agent, obs, torch.Generator().manual_seed(0))
+    mu = 0.5 * torch.tanh(c)
+    assert stats["windows"] == 5 and stats["rows"] == 1 and stats["bound"] == 0.5
+    assert torch.allclose(torch.tensor(stats["mean_mu"]), mu, atol=1e-6)
+    assert torch.allclose(torch.tensor(stats["mean_abs_mu"]), mu.abs(), atol=1e-6)
+    assert stats["share_near_bound"] == [0.0, 1.0, 0.0, 1.0]  # |mu| > 0.375: 0.48 (dim 1) and 0.38 (dim 3)
+    with pytest.raises(ValueError, match="reads a steer 'residual' checkpoint"):
+        bench.residual_stats(object(), obs, torch.Generator())
