@@ -228,7 +228,8 @@ class RunConfig:
     # added to the executed actions; max/min/final_noise_std are then sigma's bounds (normalised action units)
     residual_bound: PositiveFloat = 0.5  # |mu| <= residual_bound per dim (the normaliser's [-1, 1] is the demos' range)
     residual_per: str = "action"        # "action": r [Ta, A], one per executed action; "chunk": r [A], for all Ta
-    residual_gripper: bool = True       # steer "residual_step": False leaves the last action dim (the gripper) to the base
+    residual_gripper: bool = True       # steers "residual" / "residual_step": False leaves the last action dim (the
+                                        # gripper) to the base
     # steer "residual_step" (flowlib.residual_step): a correction r = mu(o_t, a_b) of every executed action from the
     # current observation (closed loop), learned off-policy with learner "td3" or on-policy with "ppo" (each env step a
     # decision); max_noise_std: r's exploration std
@@ -316,8 +317,9 @@ class ReinFlowConfig(TD3Config, SACConfig, ReplayConfig, ppo.PPOConfig, RunConfi
              f"freeze_obs_encoder applies to steer 'chain' (got steer {self.steer!r}, which keeps the whole flow "
              f"frozen): set freeze_obs_encoder: false"),
             (self.residual_per in RESIDUAL_PER, f"residual_per must be one of {RESIDUAL_PER}, got {self.residual_per!r}"),
-            (self.residual_gripper or self.steer == "residual_step",
-             f"residual_gripper False is an option of steer 'residual_step' (got steer {self.steer!r})"),
+            (self.residual_gripper or self.steer in ("residual", "residual_step"),
+             f"residual_gripper False is an option of steers 'residual' and 'residual_step' "
+             f"(got steer {self.steer!r})"),
             (self.learner in LEARNERS, f"learner must be one of {LEARNERS}, got {self.learner!r}"),
             (self.learner != "sac" or self.steer == "latent",
              f"learner 'sac' learns a policy over x_0: it needs steer 'latent' (got steer {self.steer!r})"),
@@ -505,7 +507,7 @@ def _agent(policy, cfg: ReinFlowConfig) -> ReinFlowAgent:
 
         return ResidualAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
                              tuple(cfg.value_hidden_dims), cfg.residual_bound, tuple(cfg.latent_hidden_dims),
-                             cfg.residual_per, **common)
+                             cfg.residual_per, correct_gripper=cfg.residual_gripper, **common)
     return ReinFlowAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
                          tuple(cfg.value_hidden_dims), noise_level=cfg.noise_level,
                          freeze_obs_encoder=cfg.freeze_obs_encoder, **common)

@@ -12,7 +12,9 @@ normalised action space, with ``a_b`` the base chunk's executed part::
     a = a_b + r
 
 With ``residual_per: chunk`` the correction is one ``r [1, A]`` added to every executed action: ``A`` dims
-instead of ``Ta x A``, each of which moves the whole chunk, and the per-step noise is the same.
+instead of ``Ta x A``, each of which moves the whole chunk, and the per-step noise is the same.  With
+``correct_gripper`` False, ``r`` has the arm's ``A - 1`` dims (ManiSkill's ``pd_ee_delta_pos``: dx, dy, dz) and the
+gripper's action stays the base's, as ``flowlib.residual_step`` allows; the log-prob then has ``n x (A - 1)`` dims.
 
 The decision's log-prob is ``log N(r; mu, sigma^2)`` over its ``Ta x A`` (or ``A``) dims: the draw of ``x_0`` is the
 environment's as far as ``phi`` is concerned (it does not depend on ``phi``), so it cancels in PPO's ratio, and
@@ -40,19 +42,22 @@ class ResidualAgent(LatentSteeringAgent):
     per dim, normalised action units), ``residual_hidden`` the MLP's hidden sizes; ``[min, max]_noise_std`` bound
     ``sigma``.  ``residual_per``: ``"action"``, one correction per executed action (``r [Ta, A]``), or
     ``"chunk"``, one for the whole chunk (``r [1, A]``, added to each of its ``Ta`` actions: an ``A``-dim
-    Gaussian whose every dim moves ``Ta`` actions at once).  Sampling, PPO, evaluation and checkpoints are those
-    of ``LatentSteeringAgent``."""
+    Gaussian whose every dim moves ``Ta`` actions at once).  ``correct_gripper`` False leaves the last action dim
+    to the base (``r`` has ``A - 1`` dims).  Sampling, PPO, evaluation and checkpoints are those of
+    ``LatentSteeringAgent``."""
 
     STEER = "residual"
 
     def __init__(self, policy, num_inference_steps: int = 8, min_noise_std: float = 0.01, max_noise_std: float = 0.2,
                  value_hidden_dims: tuple[int, ...] = (256, 256), residual_bound: float = 0.5,
-                 residual_hidden: tuple[int, ...] = (256, 256), residual_per: str = "action", **kwargs):
+                 residual_hidden: tuple[int, ...] = (256, 256), residual_per: str = "action",
+                 correct_gripper: bool = True, **kwargs):
         if not residual_bound > 0:
             raise ValueError(f"residual_bound must be > 0, got {residual_bound}")
         if residual_per not in RESIDUAL_PER:
             raise ValueError(f"residual_per must be one of {RESIDUAL_PER}, got {residual_per!r}")
         self.residual_per = residual_per
+        self.correct_gripper = bool(correct_gripper)
         super().__init__(policy, num_inference_steps, min_noise_std, max_noise_std, value_hidden_dims, residual_bound,
                          residual_hidden, **kwargs)
 
@@ -60,21 +65,26 @@ class ResidualAgent(LatentSteeringAgent):
     def _rows(self) -> int:  # n: the residual's rows, Ta ("action") or 1 ("chunk")
         return self.act_horizon if self.residual_per == "action" else 1
 
+    @property
+    def _dims(self) -> int:  # r's dims per row: A, or the arm's A - 1 when the gripper is left to the base
+        return self.action_dim if self.correct_gripper else self.action_dim - 1
+
     def _head_sizes(self) -> tuple[int, int]:  # (obs window, base actions) -> residual
-        return self.obs_horizon * self.obs_dim + self.act_horizon * self.action_dim, self._rows * self.action_dim
+        return self.obs_horizon * self.obs_dim + self.act_horizon * self.action_dim, self._rows * self._dims
 
-    def _residual(self, o: torch.Tensor, base: torch.Tensor):  # normalised [B, To, O], [B, Ta, A] -> mu, sigma [B, n, A]
-        return self._gaussian(torch.cat([o.flatten(1), base.flatten(1)], 1), (len(base), self._rows, self.action_dim))
+    def _residual(self, o: torch.Tensor, base: torch.Tensor):  # [B, To, O], [B, Ta, A] normalised -> [B, n, d] x 2
+        return self._gaussian(torch.cat([o.flatten(1), base.flatten(1)], 1), (len(base), self._rows, self._dims))
 
-    def _step_dims(self, device=None) -> torch.Tensor:  # [K]: r's n x A dims, counted at step 0
+    def _step_dims(self, device=None) -> torch.Tensor:  # [K]: r's n x d dims, counted at step 0
         dims = torch.zeros(self.K, device=device)
-        dims[0] = self._rows * self.action_dim
+        dims[0] = self._rows * self._dims
         return dims
 
     def _with_residual(self, chain: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        """The stored chain (module docstring): ``r [B, n, A]`` at step 0's first ``n`` executed rows, and added
-        to (broadcast over) step K's executed rows."""
+        """The stored chain (module docstring): ``r [B, n, d]`` at step 0's first ``n`` executed rows (0 in the
+        gripper's column when it is the base's), and added to (broadcast over) step K's executed rows."""
         start = self.obs_horizon - 1
+        r = torch.nn.functional.pad(r, (0, self.action_dim - self._dims))  # [B, n, A]
         out = chain.clone()
         out[:, 0] = 0.0
         out[:, 0, start:start + self._rows] = r
@@ -97,7 +107,7 @@ class ResidualAgent(LatentSteeringAgent):
         """``[B, K]`` with ``log N(r; mu(o, a_b), sigma^2)`` in column 0 (where ``stochastic`` says r was drawn),
         ``a_b = x_K - r`` on the executed rows, and the mean per-dim entropy of the residual Gaussian ``[B]``."""
         def gaussian(chain):
-            r = self._executed(chain[:, 0])[:, :self._rows]
-            return (r, *self._residual(self._norm_obs(obs_window), self._executed(chain[:, -1]) - r))
+            r = self._executed(chain[:, 0])[:, :self._rows]                     # [B, n, A], 0 where r has no dim
+            return (r[..., :self._dims], *self._residual(self._norm_obs(obs_window), self._executed(chain[:, -1]) - r))
 
         return self._rescore(chain, stochastic, gaussian)

@@ -202,7 +202,7 @@ freeze_obs_encoder = False  # steer "chain": keep the velocity net's obs_encoder
 latent_bound = 2.5
 latent_hidden_dims = [256, 256]
 residual_bound = 0.5
-residual_gripper = True  # steer "residual_step": False leaves the gripper dim to the base
+residual_gripper = True  # steers "residual" / "residual_step": False leaves the gripper dim to the base
 residual_per = "action"  # steer "residual": "chunk" adds one correction r [A] to every executed action
 learner = "ppo"  # steer "latent": "sac" learns pi(x_0 | o) off-policy from a replay buffer (flowlib.latent_sac)
                  # steer "residual_step": "td3" (off-policy) or "ppo" (every env step a decision)

@@ -114,3 +114,29 @@ def test_the_residual_mean_benchmark_reads_mu_per_action_dim():
     assert stats["share_near_bound"] == [0.0, 1.0, 0.0, 1.0]  # |mu| > 0.375: 0.48 (dim 1) and 0.38 (dim 3)
     with pytest.raises(ValueError, match="reads a steer 'residual' checkpoint"):
         bench.residual_stats(object(), obs, torch.Generator())
+
+
+@pytest.mark.parametrize("per", ["action", "chunk"])
+def test_with_the_gripper_left_to_the_base_r_has_the_arm_dims_only(per):
+    agent, obs, policy = residual_agent(residual_per=per, correct_gripper=False)
+    n = TA if per == "action" else 1
+    with torch.no_grad():  # a correction on every dim, were it allowed
+        agent.latent_net[-1].bias.normal_(0, 1.0)
+        agent.latent_std_logit.normal_(0, 1.0)
+    x0 = torch.randn(5, 16, ACT_DIM, generator=torch.Generator().manual_seed(3))
+    chain, log_prob, stochastic, _ = agent.sample(obs, torch.Generator().manual_seed(1), return_steps=True, x0=x0)
+    base = agent.action_normalizer.normalize(policy.chunk(obs, x0, 4))
+    assert torch.equal(chain[:, 0, START:START + n, -1], torch.zeros(5, n))              # no draw on the gripper
+    assert torch.allclose(chain[:, -1, :, -1], base[:, :, -1], atol=1e-5)               # its action is the base's
+    r = chain[:, 0, START:START + n, :-1]                                               # [5, n, A - 1]
+    assert (r.abs() > 0).all()
+    assert torch.allclose(chain[:, -1, START:START + TA, :-1], base[:, START:START + TA, :-1] + r, atol=1e-5)
+    o = agent._norm_obs(obs)
+    mu = 0.5 * torch.tanh(agent.latent_net(torch.cat([o.flatten(1), base[:, START:START + TA].flatten(1)], 1)))
+    mu = mu.view(5, n, ACT_DIM - 1)
+    sigma = 0.01 + 0.19 * torch.sigmoid(agent.latent_std_logit).view(n, ACT_DIM - 1)
+    expected = torch.distributions.Normal(mu, sigma).log_prob(r).flatten(1).sum(1)      # n x (A - 1) dims
+    assert torch.allclose(log_prob, expected, atol=1e-4)
+    assert torch.allclose(agent.log_prob(obs, chain, stochastic)[0], log_prob, atol=1e-4)  # PPO's ratio is 1
+    cfg = reinflow.ReinFlowConfig(steer="residual", residual_per=per, residual_gripper=False)
+    assert not reinflow._agent(policy, cfg).correct_gripper                               # the config's way in

@@ -245,7 +245,7 @@ def test_without_the_gripper_the_residual_its_noise_and_its_target_smoothing_lea
     assert (batch["latent"][:, -1] == 0).all()
     td3_update(agent, batch, actor_opt, critic_opt, cfg)
     assert (agent.residual(agent.state(obs, base))[:, -1] == 0).all()
-    with pytest.raises(ValueError, match="residual_gripper False is an option of steer 'residual_step'"):
+    with pytest.raises(ValueError, match="residual_gripper False is an option of steers 'residual' and "):
         reinflow.ReinFlowConfig(residual_gripper=False)
 
 
