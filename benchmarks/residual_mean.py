@@ -38,8 +38,7 @@ def residual_stats(agent: ResidualAgent, windows: torch.Tensor, generator: torch
     if not isinstance(agent, ResidualAgent):
         raise ValueError(f"this script reads a steer 'residual' checkpoint, got {type(agent).__name__}: "
                          "for steer 'residual_step' the correction is the actor's output at each env step")
-    rows = agent.act_horizon if agent.residual_per == "action" else 1
-    start = agent.obs_horizon - 1
+    rows, start = agent._rows, agent.obs_horizon - 1  # r's rows (Ta or 1), the first executed row
     chain, _ = agent.sample(windows, generator, deterministic=True)
     mu = chain[:, 0, start:start + rows]                                        # [N, n, A]
     return {"windows": len(windows), "rows": rows, "bound": agent.latent_bound,
@@ -55,8 +54,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="seeds the base chunks' x_0")
     ap.add_argument("--name", default="default")
     args = ap.parse_args()
-    agent = reinflow.load_agent(args.checkpoint)
-    cfg = reinflow.checkpoint_config(reinflow.read_agent_checkpoint(args.checkpoint))
+    _, cfg, agent, _ = reinflow.load_for_rollouts(args.checkpoint)
     windows = demo_windows(data.load_demos(data.demo_path(cfg.env_id, args.num_demos)), agent.obs_horizon, args.stride)
     stats = residual_stats(agent, windows, torch.Generator().manual_seed(args.seed))
     stats.update(checkpoint=args.checkpoint, num_demos=args.num_demos, stride=args.stride, seed=args.seed)

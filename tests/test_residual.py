@@ -6,6 +6,7 @@ import torch
 from flowlib import reinflow
 from flowlib.residual import ResidualAgent
 from test_reinflow import ACT_DIM, fake_batch, tiny_policy
+from test_residual_step import load_benchmark
 
 TA, START = 8, 1  # the tiny policy's act_horizon; executed rows start at obs_horizon - 1
 
@@ -95,12 +96,7 @@ def test_what_has_no_meaning_for_a_residual_policy_is_refused():
 
 
 def test_the_residual_mean_benchmark_reads_mu_per_action_dim():
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "residual_mean.py"
-    spec = importlib.util.spec_from_file_location("residual_mean", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("residual_mean")
     agent, obs, _ = residual_agent(residual_per="chunk")
     c = torch.tensor([0.3, -2.0, 0.0, 1.0])  # mu = 0.5 tanh(c) whatever the input: a known push per dim
     with torch.no_grad():
