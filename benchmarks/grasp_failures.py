@@ -128,7 +128,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)  # leave the cores to the env workers
     out, t0 = {}, time.time()
-    with make_env("PickCube-v1", args.num_envs, control_mode="pd_ee_delta_pos") as env:
+    # a fresh scene per episode: the same episodes as flowlib.evaluate's, whatever ran before them
+    with make_env("PickCube-v1", args.num_envs, control_mode="pd_ee_delta_pos", fresh_scene=True) as env:
         for path in tqdm(args.checkpoints, desc="checkpoints"):
             policy, meta = load_checkpoint_policy(path)
             if meta["env_id"] != "PickCube-v1" or meta["control_mode"] != "pd_ee_delta_pos":

@@ -226,6 +226,8 @@ def evaluate(policy: FlowPolicy, env, num_episodes: int, num_inference_steps: in
     from a generator seeded with ``seed + i`` too: an episode's result does not depend on how episodes
     are batched (``env.num_envs``), so CPU and GPU runs evaluate the same episodes (checked: a stage-3
     checkpoint's 200 episodes at 8 and at 4 envs agree one by one; that needs ``envs.clear_grasp_at_reset``).
+    On ``physx_cpu`` it also needs an env made with ``fresh_scene=True``, or PhysX's contact state from the
+    worker's earlier episodes can change an episode that grips the cube (``flowlib.envs``).
     ``action_noise_std > 0`` adds Gaussian exploration noise to the executed actions (clipped to
     the action box [-1, 1]).  ``record=True`` also returns the rollouts as ``flowlib.data.Episode``
     (dense rewards, success; ``terminated`` = success as in ManiSkill's PickCube; the last step truncated).

@@ -14,6 +14,13 @@ On ``physx_cpu`` the envs can also go back in time: ``snapshot()`` saves every e
 (and its step count), ``restore(states)`` puts it back, so several actions can be tried from one state
 (``flowlib.reinflow``'s branch advantages).  Replaying the same actions after a restore reproduces the
 observations to ~1e-4 (3e-6 to 8e-5 measured over 8-10 actions).
+
+A ``physx_cpu`` reset puts back every pose and velocity ManiSkill knows of (its state dict reads the same), but
+PhysX keeps contact state of its own across resets: an episode that grips the cube can then run differently
+by what the worker ran before (seen from step ~10 to ~30, 1e-7 growing to 5 cm; over 200 PickCube episodes of
+a stage-3 policy, 2 flipped their success).  ``fresh_scene=True`` rebuilds each worker's scene at every reset
+(ManiSkill's ``reconfiguration_freq=1``, ~0.2 s a reset), so an episode's result is a function of the policy
+and its seed alone: ``flowlib.evaluate`` uses it.  Training keeps the faster reset.
 """
 from __future__ import annotations
 
@@ -91,8 +98,9 @@ class EnvSpec:
     max_episode_steps: int
 
 
-def _make_cpu_env(env_id, obs_mode, control_mode, reward_mode, max_episode_steps, render):
-    """One single-process CPU env (numpy in/out), termination ignored: built inside the worker."""
+def _make_cpu_env(env_id, obs_mode, control_mode, reward_mode, max_episode_steps, render, fresh_scene=False):
+    """One single-process CPU env (numpy in/out), termination ignored: built inside the worker.  ``fresh_scene``:
+    a new PhysX scene at every reset (module docstring)."""
     import gymnasium as gym
     import mani_skill.envs  # noqa: F401
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
@@ -100,7 +108,7 @@ def _make_cpu_env(env_id, obs_mode, control_mode, reward_mode, max_episode_steps
     torch.set_num_threads(1)  # a worker only steps physics; idle torch threads would compete for cores
     env = gym.make(env_id, obs_mode=obs_mode, control_mode=control_mode, reward_mode=reward_mode,
                    sim_backend="physx_cpu", render_mode="rgb_array" if render else None,
-                   max_episode_steps=max_episode_steps)
+                   max_episode_steps=max_episode_steps, reconfiguration_freq=1 if fresh_scene else None)
     return _restorable_wrapper()(CPUGymWrapper(env, ignore_terminations=True))
 
 
@@ -152,10 +160,15 @@ class ManiSkillVecEnv:
 
     def __init__(self, env_id: str = "PickCube-v1", num_envs: int = 1, obs_mode: str = "state",
                  control_mode: str = DEFAULT_CONTROL_MODE, reward_mode: str = "normalized_dense",
-                 max_episode_steps: int | None = None, backend: str = "auto", render: bool = False):
+                 max_episode_steps: int | None = None, backend: str = "auto", render: bool = False,
+                 fresh_scene: bool = False):
         check_env_id(env_id)
         _check_vulkan()
         self.backend = resolve_backend(backend)
+        if fresh_scene and self.backend == "physx_cuda":
+            raise ValueError("fresh_scene rebuilds each physx_cpu worker's scene at its reset; physx_cuda runs all "
+                             "envs in one scene, which ManiSkill cannot rebuild for some of them: use "
+                             "backend='physx_cpu' for history-free episodes, or fresh_scene=False")
         self.num_envs = num_envs
         self.max_episode_steps = max_episode_steps or EVAL_EPISODE_STEPS.get(env_id, 100)
         self.device = torch.device("cuda" if self.backend == "physx_cuda" else "cpu")
@@ -174,7 +187,7 @@ class ManiSkillVecEnv:
             from gymnasium.vector import AutoresetMode
 
             make = functools.partial(_make_cpu_env, env_id, obs_mode, control_mode, reward_mode,
-                                     self.max_episode_steps, render)
+                                     self.max_episode_steps, render, fresh_scene)
             cls = _steppable_sync_vector_env() if num_envs == 1 else gym.vector.AsyncVectorEnv
             # spawn, not fork: forking a process that already runs torch threads can deadlock
             kwargs = {} if num_envs == 1 else {"daemon": True, "context": "spawn"}
