@@ -9,14 +9,23 @@ from flowlib import bc, evaluate
 from flowlib.data import ChunkDataset
 
 
+def record_make_env(monkeypatch) -> list[dict]:
+    """The keyword arguments of every env ``flowlib.evaluate`` makes, in a list filled as they are made."""
+    made, make_env = [], evaluate.make_env
+    monkeypatch.setattr(evaluate, "make_env", lambda *a, **kw: made.append(kw) or make_env(*a, **kw))
+    return made
+
+
 def test_two_runs_of_one_policy_score_the_same_episodes(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "outputs"))
     bc.train(tiny_cfg(train_steps=2), ChunkDataset(random_episodes(), 2, 16), tmp_path / "a")
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "best_model.pt").write_bytes((tmp_path / "a" / "best_model.pt").read_bytes())
+    made = record_make_env(monkeypatch)
     rc = evaluate.main([str(tmp_path / "a" / "best_model.pt"), str(tmp_path / "b" / "best_model.pt"),
                         "--episodes", "3", "--num-envs", "2", "--max-episode-steps", "10", "--run-name", "t"])
     assert rc == 0
+    assert made[0]["fresh_scene"] is not torch.cuda.is_available()  # physx_cpu: a new scene for every episode
     out = tmp_path / "outputs" / "evaluate" / "t"
     rows = list(csv.DictReader(open(out / "results.csv")))
     assert [r["policy"] for r in rows] == ["a/best_model.pt", "b/best_model.pt"]
@@ -55,9 +64,10 @@ def test_act_horizon_override_re_plans_and_rejects_what_the_chunk_lacks(tmp_path
     evaluate.set_act_horizon(policy, 3)
     window = torch.zeros(2, meta["obs_horizon"], meta["obs_dim"])
     assert policy.act(window, 2).shape == (2, 3, meta["action_dim"])  # executes 3 actions per chunk
+    made = record_make_env(monkeypatch)
     rc = evaluate.main([ckpt, "--act-horizon", "8", "3", "--episodes", "2", "--num-envs", "2",
-                        "--max-episode-steps", "10", "--run-name", "ah"])
-    assert rc == 0
+                        "--max-episode-steps", "10", "--run-name", "ah", "--reuse-scene"])
+    assert rc == 0 and made[0]["fresh_scene"] is False
     rows = list(csv.DictReader(open(tmp_path / "outputs" / "evaluate" / "ah" / "results.csv")))
     assert [(r["policy"], r["act_horizon"]) for r in rows] == [("a/best_model.pt@ah8", "8"), ("a/best_model.pt@ah3", "3")]
     assert evaluate.main([ckpt, "--act-horizon", "16"]) == 2  # pred 16 - obs 2 + 1 = 15 actions at most
