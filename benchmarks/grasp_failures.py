@@ -38,7 +38,7 @@ import torch
 from tqdm import tqdm
 
 from flowlib import bc
-from flowlib.envs import PICKCUBE_FINGERS, make_env
+from flowlib.envs import PICKCUBE_FINGERS, make_env, resolve_backend
 from flowlib.evaluate import load_checkpoint_policy
 from flowlib.runs import run_dir, save_json
 
@@ -128,8 +128,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)  # leave the cores to the env workers
     out, t0 = {}, time.time()
-    # a fresh scene per episode: the same episodes as flowlib.evaluate's, whatever ran before them
-    with make_env("PickCube-v1", args.num_envs, control_mode="pd_ee_delta_pos", fresh_scene=True) as env:
+    # on physx_cpu a fresh scene per episode, as flowlib.evaluate: the same episodes, whatever ran before them
+    fresh = resolve_backend("auto") == "physx_cpu"
+    with make_env("PickCube-v1", args.num_envs, control_mode="pd_ee_delta_pos", fresh_scene=fresh) as env:
         for path in tqdm(args.checkpoints, desc="checkpoints"):
             policy, meta = load_checkpoint_policy(path)
             if meta["env_id"] != "PickCube-v1" or meta["control_mode"] != "pd_ee_delta_pos":
