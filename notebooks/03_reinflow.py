@@ -152,7 +152,7 @@
 # $V_\psi(s_t)$, GAE over env steps, and every env step is a PPO decision whose log-prob has the arm's 3 dims
 # (`params/03_reinflow/cpu_step_ppo.yaml`: 0.962 over three seeds at 1.02M env steps, 5-8x what TD3 needs; PPO
 # through the chain, given the same reward terms and 1.02M env steps, stays where it started, and the same residual
-# chosen once per chunk loses 0.175 and 0.190 over two seeds). Why per step: the stage-1 policy grasps the cube in
+# chosen once per chunk loses 0.17-0.19 on each of three seeds). Why per step: the stage-1 policy grasps the cube in
 # 0.90 of held-out episodes but places it in 0.58, hovering centimetres from the goal; a hand-written per-step nudge
 # towards the goal while grasped lifts it to 0.88 on the same 200 episodes.
 
