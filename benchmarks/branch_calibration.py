@@ -17,7 +17,7 @@ noisy decisions first, up to ``--max-skip``); envs whose episode has ended by th
 Prints and writes (``outputs/benchmarks/branch_calibration/<name>.json``) the pairs, the slope +- SE and
 Pearson r of ``G_0 - G_1`` on the critic's ``Q_0 - Q_1`` (``scipy.stats.linregress``), the share of pairs whose
 signs agree among those where ``G`` differs, and, for contrast, r between the levels ``Q_0`` and ``G_0``.
-Rewards are as learning sees them (``reinflow.learning_runner``). physx_cpu only.
+Rewards are as learning sees them (``loop.learning_runner``). physx_cpu only.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch
 from scipy import stats
 from tqdm import tqdm
 
-from flowlib import reinflow
+from flowlib import loop, reinflow, stage3
 from flowlib.envs import make_env
 from flowlib.run import parse_overrides
 from flowlib.runs import run_dir, save_json
@@ -48,11 +48,11 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     overrides = parse_overrides(args.param)
-    ckpt, cfg, agent, std = reinflow.load_for_rollouts(args.checkpoint, overrides, args.noise_std)
+    ckpt, cfg, agent, std = stage3.load_for_rollouts(args.checkpoint, overrides, args.noise_std)
     gen = torch.Generator().manual_seed(args.seed)
     q_hat, g, t0 = [[], []], [[], []], time.time()
     with torch.no_grad(), make_env(cfg.env_id, args.num_envs, max_episode_steps=cfg.max_episode_steps) as env:
-        runner = reinflow.learning_runner(cfg, env, agent.obs_horizon, args.seed)
+        runner = loop.learning_runner(cfg, env, agent.obs_horizon, args.seed)
         for _ in tqdm(range(args.batches), desc="branch points", mininterval=10):
             runner.restart()
             for _ in range(int(torch.randint(args.max_skip + 1, (1,), generator=gen))):

@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 
 from flowlib import bc
 from flowlib.envs import make_env
@@ -37,8 +36,10 @@ from latent_steering import GRASPED, OBJ_TO_GOAL, check_layout  # noqa: E402
 AXIS = {"x": 0, "y": 1, "z": 2}
 
 
-class Corrected(nn.Module):
+class Corrected(bc.ChunkPolicy):
     """The stage-1 policy with a fixed per-step correction (``kind`` "nudge" or "bias"; module docstring)."""
+
+    closed_loop = True
 
     def __init__(self, policy, kind: str, value: float, axis: int = 0):
         super().__init__()

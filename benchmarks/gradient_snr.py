@@ -22,7 +22,7 @@ env with its branches); decisions then count every branch, as their env steps do
 A per-step residual (steer ``residual_step``) is measured the same way, each env step a decision, on the
 residual's mean ``mu_phi`` (the parameters either learner moves).  Its PPO checkpoint (learner ``ppo``) gives the
 likelihood-ratio gradient of its Gaussian, with GAE advantages from its ``V(s)``; its TD3 checkpoint gives the
-deterministic policy gradient of TD3's actor step (``residual_step.actor_loss``, through the trained ``Q_1``) on the
+deterministic policy gradient of TD3's actor step (``residual_td3.actor_loss``, through the trained ``Q_1``) on the
 states of the same kind of rollouts, exploration included.  One is the gradient each learner steps along, so the
 two tell how many decisions each needs for an update that points somewhere (the DPG's bias, if its critic is wrong,
 is not what this measures)::
@@ -30,7 +30,7 @@ is not what this measures)::
     .venv/bin/python benchmarks/gradient_snr.py outputs/03_reinflow/step_ppo_s0/last.pt --name step_ppo_s0
     .venv/bin/python benchmarks/gradient_snr.py outputs/03_reinflow/cpu_s0/last.pt --name td3_s0
 
-Rollouts pay the run's learning reward (``reinflow.learning_runner``).
+Rollouts pay the run's learning reward (``loop.learning_runner``).
 Writes ``outputs/benchmarks/gradient_snr/<name>.json``.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from flowlib import ppo, reinflow, residual_step
+from flowlib import loop, ppo, reinflow, residual_step, residual_td3, stage3
 from flowlib.envs import make_env
 from flowlib.flow_sde import LEARNED_NOISE
 from flowlib.runs import run_dir, save_json
@@ -64,7 +64,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     overrides = parse_overrides(args.param)
-    ckpt, cfg, agent, std = reinflow.load_for_rollouts(args.checkpoint, overrides, args.noise_std)
+    ckpt, cfg, agent, std = stage3.load_for_rollouts(args.checkpoint, overrides, args.noise_std)
     per_step = isinstance(agent, residual_step.StepResidualAgent)  # each env step a decision
     td3 = per_step and cfg.learner == "td3"
     T = args.decisions or cfg.rollout_steps * (agent.act_horizon if per_step else 1)  # as an iteration of the run
@@ -80,7 +80,7 @@ def main(argv=None) -> None:
     # --- rollouts: one unit = one env's T decisions in one rollout
     t0, gen, pool = time.time(), torch.Generator().manual_seed(args.seed), []
     with make_env(cfg.env_id, args.num_envs, max_episode_steps=cfg.max_episode_steps) as env:
-        runner = reinflow.learning_runner(cfg, env, agent.obs_horizon, args.seed)
+        runner = loop.learning_runner(cfg, env, agent.obs_horizon, args.seed)
         collector = residual_step.StepCollector(agent, runner, gen, n_step=0) if per_step else None
         for _ in tqdm(range(args.rollouts), desc="rollouts", mininterval=10):
             runner.restart()
@@ -117,7 +117,7 @@ def main(argv=None) -> None:
     def unit_gradient(r: int, i: int) -> torch.Tensor:  # [P]: rollout r's env i (with its branches)
         if td3:
             s = agent.state(pool[r]["obs"][:, i], pool[r]["base"][:, i])                  # [T, S]
-            loss, _ = residual_step.actor_loss(agent, s, cfg.residual_l2)
+            loss, _ = residual_td3.actor_loss(agent, s, cfg.residual_l2)
             return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
         buf = pool[r][0]
         cols = [i + m * args.num_envs for m in range(M)]  # env i and its branches (column m * N + i)

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from flowlib import reinflow, reinflow_agent
+from flowlib import bench, reinflow_agent, stage3
 from flowlib.runs import run_dir, save_json
 
 
@@ -73,7 +73,7 @@ def measure(agent: reinflow_agent.ReinFlowAgent, batch: int, device: torch.devic
     rescore_s = _median_s(rescore, device, repeats)
     return {"batch": batch, "K": agent.K, "sample_ms": 1e3 * sample_s, "decisions_per_s": batch / sample_s,
             "policy_env_steps_per_s": batch * agent.act_horizon / sample_s, "rescore_ms": 1e3 * rescore_s,
-            "peak_memory_mb": reinflow.peak_memory_mb()}
+            "peak_memory_mb": bench.peak_memory_mb()}
 
 
 def main(argv=None) -> list[dict]:
@@ -94,8 +94,8 @@ def main(argv=None) -> list[dict]:
           f"{'peak MiB':>8}")
     rows = []
     for K in args.K:
-        cfg = reinflow.ReinFlowConfig(init_checkpoint=args.checkpoint, num_inference_steps=K, log_prob_over="executed")
-        agent, _ = reinflow.build_agent(cfg, reinflow.init_checkpoint_path(cfg))
+        cfg = stage3.Stage3Config(init_checkpoint=args.checkpoint, num_inference_steps=K, log_prob_over="executed")
+        agent, _ = stage3.build_agent(cfg, stage3.init_checkpoint_path(cfg))
         agent.to(device)
         for b in args.batch:
             row = measure(agent, b, device, args.repeats)

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from flowlib import ppo, reinflow
+from flowlib import ppo, stage3
 from flowlib.runs import run_dir, save_json
 
 
@@ -37,7 +37,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--name", default="default")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    _, cfg, agent, _ = reinflow.load_for_rollouts(args.checkpoint)
+    _, cfg, agent, _ = stage3.load_for_rollouts(args.checkpoint)
     agent = agent.to(args.device)
     gen = torch.Generator().manual_seed(args.seed)
     obs = torch.randn(args.rows, agent.obs_horizon, agent.obs_dim, generator=gen).to(args.device)  # [n, To, O]
@@ -51,7 +51,7 @@ def main(argv=None) -> list[dict]:
              "returns": torch.randn(args.rows, generator=gen).to(args.device)}
     rows = []
     for micro in args.micro:
-        step_cfg = reinflow.ReinFlowConfig(minibatch_size=args.rows, micro_batch_size=micro, update_epochs=1,
+        step_cfg = stage3.Stage3Config(minibatch_size=args.rows, micro_batch_size=micro, update_epochs=1,
                                            ratio_mode=cfg.ratio_mode, clip_coef=cfg.clip_coef)
         times = []
         for _ in range(args.repeats):

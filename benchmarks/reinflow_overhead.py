@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from flowlib import pirl, reinflow
+from flowlib import bench, pirl, stage3
 from flowlib.envs import make_env
 
 
@@ -54,15 +54,15 @@ def main(argv=None) -> None:
     for n in args.num_envs:
         with make_env("PickCube-v1", n, backend=args.backend) as env:
             for method in args.methods:
-                cfg = reinflow.ReinFlowConfig(init_checkpoint=args.checkpoint, num_envs=n, num_inference_steps=args.K,
+                cfg = stage3.Stage3Config(init_checkpoint=args.checkpoint, num_envs=n, num_inference_steps=args.K,
                                               log_prob_over="executed", **pirl.VARIANTS[method])
-                agent, _ = reinflow.build_agent(cfg, reinflow.init_checkpoint_path(cfg), env.spec)
+                agent, _ = stage3.build_agent(cfg, stage3.init_checkpoint_path(cfg), env.spec)
                 agent.to(device)
-                row = reinflow.overhead(agent, env, args.decisions)
+                row = bench.overhead(agent, env, args.decisions)
                 obs = torch.randn(64, agent.obs_horizon, agent.obs_dim, device=device)
                 print(f"{method:>16} {n:>4} {row['raw_step_ms']:>11.2f} {row['policy_ms_per_env_step']:>14.2f} "
                       f"{row['overhead_fraction']:>8.2f} {row['loop_env_steps_per_s']:>12.0f} "
-                      f"{reinflow.peak_memory_mb():>8.0f} {rescoring_ms(agent, obs):>12.1f}", flush=True)
+                      f"{bench.peak_memory_mb():>8.0f} {rescoring_ms(agent, obs):>12.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from flowlib import data, reinflow
+from flowlib import data, stage3
 from flowlib.residual import ResidualAgent
 from flowlib.runs import run_dir, save_json
 
@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="seeds the base chunks' x_0")
     ap.add_argument("--name", default="default")
     args = ap.parse_args()
-    _, cfg, agent, _ = reinflow.load_for_rollouts(args.checkpoint)
+    _, cfg, agent, _ = stage3.load_for_rollouts(args.checkpoint)
     windows = demo_windows(data.load_demos(data.demo_path(cfg.env_id, args.num_demos)), agent.obs_horizon, args.stride)
     stats = residual_stats(agent, windows, torch.Generator().manual_seed(args.seed))
     stats.update(checkpoint=args.checkpoint, num_demos=args.num_demos, stride=args.stride, seed=args.seed)

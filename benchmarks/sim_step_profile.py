@@ -1,6 +1,6 @@
 """Where one ManiSkill env step goes on CPU: physics against ManiSkill's own per-step code.
 
-On 2 cores the target run (``params/03_reinflow/cpu.yaml``) spends about two thirds of its wall time in rollouts,
+On 2 cores the target run (``params/06_steering/cpu.yaml``) spends about two thirds of its wall time in rollouts,
 and the policy's share of those is small (``reinflow_overhead.py``): the simulator step is the cost. This steps
 one ``physx_cpu`` env in this process (``flowlib.envs.make_env``, as a rollout worker runs it) with seeded random
 actions and times the parts of ManiSkill's ``step``:

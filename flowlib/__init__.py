@@ -14,13 +14,19 @@ Modules (each with one job):
     flow_sde  stochastic denoising steps: score from velocity, Flow-SDE, Flow-CPS, learned noise, hybrid masks
     ppo       the PPO toolkit: GAE / MC / n-step / GRPO advantages, dual clip, Huber value clip, the update
     smdp      action chunks as a semi-MDP: ChunkRunner steps N envs a chunk at a time, with the rewards learning sees
-    reinflow_agent  stage 3's agent: the noisy denoising chain as a policy, for every noise method (exact log-probs)
-    reinflow  stage 3: how that agent learns: rollouts (collect), the config, PPO training, checkpoints, benchmarks
-    latent    stage 3, steer "latent": PPO on a Gaussian policy over the frozen flow's x_0 (DSRL's idea)
+    buffers   stage 3's rollout buffer (advantages by ppo's estimators) and replay buffer
+    loop      stage 3's one training loop, RunConfig, checkpoints, resume, validation
+    learners  the two learner families the loop drives: PPOLearner (on-policy) and ReplayLearner (off-policy)
+    reinflow_agent  the noisy denoising chain as a policy, for every noise method (exact log-probs)
+    reinflow  chain ReinFlow: ChainConfig, its rollouts (collect, branches), Monte-Carlo values, the policy gradient
+    latent    steer "latent": a Gaussian policy over the frozen flow's x_0 (DSRL's idea), learned by PPO
     latent_sac  the same policy over x_0 learned off-policy (DSRL's learner): twin Q, replay, KL to N(0, I)
-    residual  stage 3, steer "residual": PPO on a Gaussian correction of the frozen flow's executed actions
-    residual_step  stage 3, steer "residual_step": a correction at every env step, learned by TD3 (the CPU target run)
-                   or by PPO
+    residual  steer "residual": a Gaussian correction of the frozen flow's executed actions per chunk (PPO)
+    residual_step  steer "residual_step": a correction at every env step; its agents, collector and PPO learner
+    residual_td3   TD3 on that per-step correction (the CPU target run)
+    stage3    the registry of stage-3 methods ((steer, learner) -> configs, agent, learner), Stage3Config, build,
+              load and train; docs/architecture.md draws the layers
+    bench     the policy's share of an env step, peak memory
     pirl      notebook 04's study: 2D marginal and log-prob tables, the noise-method comparison
     evaluate  `python -m flowlib.evaluate`: checkpoints on the same fresh episodes, differences paired per episode
     seeds     `python -m flowlib.seeds`: a result over seeds from evaluate folders (spread, pooled rate)

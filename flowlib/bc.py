@@ -93,7 +93,18 @@ class ShortCutBCConfig:
                 raise ValueError(f"inference steps {k} must divide shortcut_max_steps={self.shortcut_max_steps}")
 
 
-class FlowPolicy(nn.Module):
+class ChunkPolicy(nn.Module):
+    """What ``evaluate`` runs: ``act(window [N, To, O], num_steps, x0=...)`` -> the chunk to execute ``[N, Ta, A]``
+    (raw units), and, for a closed-loop policy (``closed_loop``), ``correct_step(window, action [N, A])`` -> the
+    action that runs, from the window current at that step.  A chunk policy runs its chunk open loop."""
+
+    closed_loop = False
+
+    def correct_step(self, obs_window: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+        return action
+
+
+class FlowPolicy(ChunkPolicy):
     """ShortCut flow over action chunks + normalisers; ``act`` maps raw obs windows to raw actions."""
 
     def __init__(self, flow: ShortCut, obs_normalizer: Normalizer, action_normalizer: Normalizer, meta: dict[str, Any]):
@@ -234,12 +245,12 @@ def evaluate(policy: FlowPolicy, env, num_episodes: int, num_inference_steps: in
     ``flags_once`` / ``per_episode_flags_once``: how often each of the env's other evaluation flags
     (``env.task_flags``; for PickCube ``is_grasped``, ``is_obj_placed``, ``is_robot_static``) was true at
     some step of an episode: where the episodes that fail stop on the way to success.  A policy with a
-    ``correct_step(window, action)`` (``flowlib.residual_step``) has each executed action corrected from the
-    current observation window before it runs.
+    ``closed_loop`` (``flowlib.residual_step``) has each executed action corrected by ``correct_step`` from the
+    current observation window before it runs (``ChunkPolicy``).
     """
     policy.eval()
     device = next(policy.parameters()).device
-    correct = getattr(policy, "correct_step", None)  # a per-step residual (flowlib.residual_step) closes the loop
+    correct = policy.correct_step if policy.closed_loop else None  # a per-step residual closes the loop
     once, at_end, returns, frames, episodes = [], [], [], [], []
     flags_once: dict[str, list[bool]] = {}
     t0, steps, policy_time = time.time(), 0, 0.0

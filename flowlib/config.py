@@ -53,10 +53,11 @@ def validate(cls: type[T], values: Mapping[str, Any], source: str = "parameters"
     allowed = field_names(cls)
     unknown = [k for k in values if k not in allowed]
     if unknown:
-        hints = []
+        hints, renamed = [], getattr(cls, "RENAMED", {})  # old name -> new name
         for k in unknown:
-            close = difflib.get_close_matches(k, allowed, n=1)
-            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            close = [renamed[k]] if k in renamed else difflib.get_close_matches(k, allowed, n=1)
+            hints.append(f"{k!r}" + (f" (renamed {close[0]!r})" if k in renamed else
+                                     f" (did you mean {close[0]!r}?)" if close else ""))
         raise ConfigError(
             f"{source}: unknown parameter {', '.join(hints)} for {cls.__name__}. "
             f"Allowed keys: {', '.join(allowed)}. Fix the key or remove it."
@@ -72,7 +73,7 @@ def validate(cls: type[T], values: Mapping[str, Any], source: str = "parameters"
 
 def check_fields(cfg) -> None:
     """For ``__post_init__``: every field of its type, in its range and finite, also for a config built in
-    code (``ReinFlowConfig(num_envs=0)``, ``dataclasses.replace``), not only for one read by ``validate``."""
+    code (``Stage3Config(num_envs=0)``, ``dataclasses.replace``), not only for one read by ``validate``."""
     _, problems = _checked(type(cfg), {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
     if problems:
         raise ConfigError(f"bad value for {type(cfg).__name__}: " + "; ".join(problems))

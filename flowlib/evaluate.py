@@ -32,7 +32,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from . import bc, reinflow
+from . import bc, loop, stage3
 from .reinflow_agent import ReinFlowAgent
 from .envs import make_env, resolve_backend
 from .metrics import paired_means, success_rates
@@ -44,8 +44,8 @@ def load_checkpoint_policy(path: str | Path, noisy: bool = False):
     With ``noisy`` a stage-3 agent carries the exploration noise its run had at the checkpoint's env steps."""
     ckpt = load_torch(path, "pass the best_model.pt / last.pt of a finished run")
     fmt = ckpt.get("format") if isinstance(ckpt, dict) else None
-    if fmt == reinflow.CHECKPOINT_FORMAT:
-        agent = reinflow.load_for_rollouts(path)[2] if noisy else reinflow.load_agent(path)
+    if fmt == loop.CHECKPOINT_FORMAT:
+        agent = stage3.load_for_rollouts(path)[2] if noisy else stage3.load_agent(path)
         return agent, agent.meta
     policy = bc.load_policy(path)  # raises a clear error for anything that is not a flow policy
     return policy, policy.meta

@@ -20,12 +20,32 @@ column 0 only).  ``benchmarks/latent_steering.py`` measures how far ``x_0`` can 
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 
+from .config import PositiveFloat, PositiveInt
 from .flow_sde import gaussian_entropy, gaussian_log_prob
 from .nets import mlp
+from .reinflow import score_options
 from .reinflow_agent import ReinFlowAgent
+
+
+@dataclass
+class LatentConfig:
+    """The policy over ``x_0`` (steer ``"latent"``, PPO or SAC); its std is bounded by ``min/max_noise_std``."""
+
+    latent_bound: PositiveFloat = 2.5  # |mu(o)| <= latent_bound per dim of x_0
+    latent_hidden_dims: list[PositiveInt] = dataclasses.field(default_factory=lambda: [256, 256])  # mu's MLP
+
+
+def latent_agent(policy, cfg) -> "LatentSteeringAgent":
+    """The latent-steering agent of ``cfg`` over a frozen stage-1/2 ``policy``."""
+    return LatentSteeringAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
+                               tuple(cfg.value_hidden_dims), cfg.latent_bound, tuple(cfg.latent_hidden_dims),
+                               **score_options(cfg))
 
 
 def refuse_chain_options(kwargs: dict, why: str) -> None:

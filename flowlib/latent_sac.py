@@ -35,45 +35,28 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import time
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn as nn
-from tqdm import tqdm
 
+from .buffers import ReplayBuffer
+from .config import NonNegativeFloat, PositiveFloat
 from .flow_sde import gaussian_entropy
 from .latent import LatentSteeringAgent
-from .nets import frozen
-from .reinflow import ReinFlowConfig, end_iteration, episode_stats, noise_schedule, prepare_run, resume
+from .learners import ReplayLearner
+from .nets import TwinQ, frozen
 from .smdp import ChunkRunner
 
 
-def _q_net(sizes: list[int]) -> nn.Sequential:
-    """Linear -> LayerNorm -> ReLU blocks, then a linear head: LayerNorm keeps Q stable at a high update-to-data
-    ratio (Ball et al. 2023, RLPD); ReLU because Mish costs a third of an update on a CPU."""
-    layers: list[nn.Module] = []
-    for i in range(len(sizes) - 2):
-        layers += [nn.Linear(sizes[i], sizes[i + 1]), nn.LayerNorm(sizes[i + 1]), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(sizes[-2], sizes[-1]))
+@dataclass
+class SACConfig:
+    """DSRL's learner (``"sac"``): soft actor-critic over ``x_0`` with a KL to ``N(0, I)`` (``ReplayConfig`` too)."""
 
-
-class TwinQ(nn.Module):
-    """``Q_1, Q_2 (o, w)``: ``[B, To*O]`` normalised observation window, ``[B, D]`` latent -> ``[2, B]``."""
-
-    def __init__(self, obs_in: int, latent_dim: int, hidden: tuple[int, ...] = (256, 256)):
-        super().__init__()
-        self.nets = nn.ModuleList(_q_net([obs_in + latent_dim, *hidden, 1]) for _ in range(2))
-
-    def forward(self, o_flat: torch.Tensor, w_flat: torch.Tensor) -> torch.Tensor:
-        x = torch.cat([o_flat, w_flat], 1)
-        return torch.stack([net(x).squeeze(-1) for net in self.nets])
-
-    def q1(self, o_flat: torch.Tensor, w_flat: torch.Tensor) -> torch.Tensor:
-        """``Q_1 (o, w)`` alone ``[B]``: what TD3's deterministic policy gradient follows (Fujimoto et al. 2018,
-        Alg. 1), without ``Q_2``'s forward and backward."""
-        return self.nets[0](torch.cat([o_flat, w_flat], 1)).squeeze(-1)
+    sac_init_alpha: PositiveFloat = 1.0  # weight of KL(pi(x_0 | o) || N(0, I)) per dim in the actor's loss, at first
+    sac_alpha_lr: NonNegativeFloat = 3.0e-3  # alpha's learning rate; 0: alpha stays at sac_init_alpha
+    sac_target_kl: PositiveFloat = 0.1  # alpha moves so that the KL to N(0, I) is this, per dim
 
 
 class LatentSACAgent(LatentSteeringAgent):
@@ -115,56 +98,7 @@ def prior_kl(mu: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     return (0.5 * (sigma.pow(2) + mu.pow(2) - 1) - torch.log(sigma)).flatten(1).mean(1)
 
 
-class ReplayBuffer:
-    """A ring of the last ``capacity`` chunk decisions: ``obs [To, O]``, latent ``w [H, A]``, the SMDP reward
-    ``R``, the bootstrap factor ``gamma^tau (1 - terminal)`` and ``next_obs [To, O]`` (for an episode that ended,
-    its last window, which a termination does not bootstrap from and a truncation does); ``extra`` names more
-    fields and their shapes (``flowlib.residual_step`` stores the base actions)."""
-
-    def __init__(self, capacity: int, obs_shape: tuple[int, ...], latent_shape: tuple[int, ...],
-                 **extra: tuple[int, ...]):
-        shapes = {"obs": obs_shape, "latent": latent_shape, "reward": (), "bootstrap": (), "next_obs": obs_shape,
-                  **extra}
-        self.fields = tuple(shapes)
-        self.data = {k: torch.zeros(capacity, *shapes[k]) for k in self.fields}
-        self.capacity, self.ptr, self.size = capacity, 0, 0
-
-    def __len__(self) -> int:
-        return self.size
-
-    def add(self, **rows: torch.Tensor) -> None:
-        """Append ``[N, ...]`` rows of every field."""
-        if set(rows) != set(self.fields):
-            raise ValueError(f"add needs exactly the fields {self.fields}, got {sorted(rows)}")
-        n = len(rows["obs"])
-        idx = (self.ptr + torch.arange(n)) % self.capacity
-        for k in self.fields:
-            self.data[k][idx] = rows[k].detach().to(self.data[k].dtype).cpu()
-        self.ptr, self.size = (self.ptr + n) % self.capacity, min(self.size + n, self.capacity)
-
-    def sample(self, batch_size: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-        if self.size == 0:
-            raise ValueError("the replay buffer is empty: collect decisions before sampling")
-        idx = torch.randint(self.size, (batch_size,), generator=generator)
-        return {k: v[idx] for k, v in self.data.items()}
-
-    def state_dict(self) -> dict:
-        return {"capacity": self.capacity, "ptr": self.ptr, "size": self.size,
-                **{k: v[:self.size].clone() for k, v in self.data.items()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        missing = [k for k in self.fields if k not in state]
-        if missing:
-            raise ValueError(f"the saved replay buffer lacks the fields {missing}: it was written by another learner")
-        if state["capacity"] != self.capacity or state["obs"].shape[1:] != self.data["obs"].shape[1:]:
-            raise ValueError(f"the saved replay buffer (capacity {state['capacity']}, obs {tuple(state['obs'].shape[1:])})"
-                             f" does not fit this one (capacity {self.capacity}, obs {tuple(self.data['obs'].shape[1:])})")
-        self.ptr, self.size = state["ptr"], state["size"]
-        for k in self.fields:
-            self.data[k][:self.size] = state[k]
-
-
-def sac_update(agent: LatentSACAgent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg: ReinFlowConfig,
+def sac_update(agent: LatentSACAgent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg,
                train_policy: bool = True) -> dict[str, float]:
     """One gradient step of the twin critics on the SMDP target, then (``train_policy``) of the actor and
     the temperature, then the Polyak step of the targets (module docstring).  ``actor_opt`` holds the policy's
@@ -198,7 +132,7 @@ def sac_update(agent: LatentSACAgent, batch: dict[str, torch.Tensor], actor_opt,
         stats.update({"policy_loss": actor_loss.item(), "kl": kl.mean().item(),
                       "entropy": gaussian_entropy(sigma).mean().item(),
                       "mu_rms": mu.pow(2).mean().sqrt().item()})
-    agent.update_target(cfg.sac_tau)
+    agent.update_target(cfg.target_tau)
     return stats
 
 
@@ -221,7 +155,7 @@ def collect(agent: LatentSACAgent, runner: ChunkRunner, buffer: ReplayBuffer, nu
     return policy_time
 
 
-def optimizers(agent: LatentSACAgent, cfg: ReinFlowConfig):
+def optimizers(agent: LatentSACAgent, cfg):
     """``(actor_opt, critic_opt)``: Adam over the policy (and ``log_alpha``, at ``sac_alpha_lr``, unless 0) and
     over the twin Q, with torch's fused kernel (``residual_step.optimizers``)."""
     groups = [{"params": agent.policy_parameters(), "lr": cfg.actor_lr}]
@@ -233,73 +167,28 @@ def optimizers(agent: LatentSACAgent, cfg: ReinFlowConfig):
             torch.optim.Adam(agent.value_parameters(), lr=cfg.critic_lr, fused=True))
 
 
-def resume_with_replay(cfg: ReinFlowConfig, agent, last, actor_opt, critic_opt, env, buffer: ReplayBuffer,
-                       tracker=None):
-    """``reinflow.resume`` for an off-policy learner: ``(iteration, runner, best)``, and ``buffer`` refilled from
-    ``last`` when the run goes on from it."""
-    start, runner, best, ckpt = resume(cfg, agent, last, actor_opt, critic_opt, env, tracker)
-    if ckpt is not None:
-        if "replay" not in ckpt:
-            raise ValueError(f"{last} holds no replay buffer, so it is not a learner {cfg.learner!r} run: use another "
-                             "run_name or resume=False")
-        buffer.load_state_dict(ckpt["replay"])
-    return start, runner, best
+def latent_sac_agent(policy, cfg) -> LatentSACAgent:
+    """The DSRL-SAC agent of ``cfg`` over a frozen stage-1/2 ``policy``."""
+    return LatentSACAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
+                          tuple(cfg.value_hidden_dims), cfg.latent_bound, tuple(cfg.latent_hidden_dims),
+                          init_alpha=cfg.sac_init_alpha, act_horizon=cfg.act_horizon, obs_clip=cfg.obs_clip)
 
 
-def on_all_cores(step, n: int) -> list:
-    """``[step(i) for i in range(n)]`` with every core given to torch: the env workers wait while the nets learn."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
-    try:
-        return [step(i) for i in range(n)]
-    finally:
-        torch.set_num_threads(threads)
+def sac_learner(agent: LatentSACAgent, cfg) -> ReplayLearner:
+    """DSRL-SAC: each iteration collects ``rollout_steps`` decisions per env into the replay, then takes
+    ``replay_updates_per_decision`` gradient steps per new decision on batches of ``replay_batch_size``
+    (``sac_update``; the critics only in the warm-up, none until the replay holds one batch)."""
+    def make_collect(runner, generator):
+        return lambda buffer: collect(agent, runner, buffer, cfg.rollout_steps, generator)
 
+    def update_step(learner, batch, train_policy, i):
+        return sac_update(agent, batch, learner.actor_opt, learner.critic_opt, cfg, train_policy)
 
-def train(cfg: ReinFlowConfig, agent: LatentSACAgent, env, run_path, tracker=None) -> dict:
-    """DSRL-SAC: each iteration collects ``rollout_steps`` decisions per env into the replay buffer, then takes
-    ``sac_updates_per_decision`` gradient steps per new decision on batches of ``sac_batch_size`` (the critics only
-    in iterations that start before ``critic_warmup_steps``, and none until the buffer holds one batch).
-    Evaluation, ``best_model.pt``, ``last.pt`` (with the buffer) and resuming are as in ``reinflow.train``."""
-    if not isinstance(agent, LatentSACAgent):
-        raise TypeError(f"learner 'sac' trains a LatentSACAgent (steer: latent, learner: sac), got {type(agent).__name__}")
-    run_path = prepare_run(cfg, agent, run_path)
-    actor_opt, critic_opt = optimizers(agent, cfg)
-    N = env.num_envs
-    per_iter = cfg.rollout_steps * N * agent.act_horizon
-    num_iters = max(1, math.ceil(cfg.total_env_steps / per_iter))
-    last = run_path / "last.pt"
-    buffer = ReplayBuffer(cfg.sac_buffer_size, (agent.obs_horizon, agent.obs_dim), (agent.pred_horizon, agent.action_dim))
-    start, runner, best = resume_with_replay(cfg, agent, last, actor_opt, critic_opt, env, buffer, tracker)
-    gen = torch.Generator().manual_seed(cfg.seed * 100_003 + start)
-    updates = max(1, round(cfg.sac_updates_per_decision * cfg.rollout_steps * N))
-    bar = tqdm(total=num_iters, initial=start, desc="DSRL-SAC", mininterval=10)
-    for iteration in range(start, num_iters):
-        agent.set_max_noise_std(noise_schedule(cfg.noise_schedule, runner.env_steps / max(cfg.noise_decay_steps, 1),
-                                               cfg.max_noise_std, cfg.final_noise_std))
-        agent.eval()
-        steps_before, t0 = runner.env_steps, time.time()
-        policy_time = collect(agent, runner, buffer, cfg.rollout_steps, gen)
-        rollout_time = time.time() - t0
-        warmup = steps_before < cfg.critic_warmup_steps
-        agent.train()
-        t1 = time.time()
-        stats = on_all_cores(lambda _: sac_update(agent, buffer.sample(cfg.sac_batch_size, gen), actor_opt, critic_opt,
-                                                  cfg, not warmup),
-                             updates if len(buffer) >= cfg.sac_batch_size else 0)
-        update_time = time.time() - t1
+    def after_update(learner):
         with torch.no_grad():  # sigma is one learned std per dim of x_0
-            _, sigma = agent._latent(agent._norm_obs(runner.window[:1].to(agent.log_alpha.device)))
-        row = {"iteration": iteration + 1, "critic_warmup": float(warmup), "rollout_time": rollout_time,
-               "rollout_policy_time": policy_time, "update_time": update_time,
-               "env_steps_per_s": per_iter / max(rollout_time, 1e-9), "updates": len(stats), "buffer": len(buffer),
-               "alpha": agent.log_alpha.exp().item(), "noise_std": sigma.log().mean().exp().item(),
-               **{k: float(np.mean([s[k] for s in stats])) for k in (stats[-1] if stats else {})}}
-        episodes = runner.pop_finished()
-        row.update({"episodes": len(episodes), **episode_stats(episodes)})
-        best = end_iteration(cfg, agent, env, runner, row, best, iteration, num_iters, run_path, actor_opt, critic_opt,
-                             tracker, extra=lambda: {"replay": buffer.state_dict()})
-        bar.update()
-    bar.close()
-    agent.eval()
-    return {"best": best, "iterations": num_iters, "env_steps": runner.env_steps}
+            _, sigma = agent._latent(agent._norm_obs(learner.runner.window[:1].to(agent.log_alpha.device)))
+        return {"alpha": agent.log_alpha.exp().item(), "noise_std": sigma.log().mean().exp().item()}
+
+    buffer = ReplayBuffer(cfg.replay_size, (agent.obs_horizon, agent.obs_dim), (agent.pred_horizon, agent.action_dim))
+    return ReplayLearner(agent, cfg, buffer, make_collect, update_step, optimizers,
+                         lambda num_envs: cfg.rollout_steps * num_envs, "DSRL-SAC", after_update=after_update)

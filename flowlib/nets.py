@@ -83,3 +83,29 @@ class ConditionalMLP(nn.Module):
         elif obs is not None:
             raise ValueError("this net was built with obs_dim=0 but got obs: build it with obs_dim set")
         return self.body(torch.cat(parts, dim=-1)).reshape(x.shape)
+
+
+def q_mlp(sizes: list[int]) -> nn.Sequential:
+    """Linear -> LayerNorm -> ReLU blocks, then a linear head: LayerNorm keeps Q stable at a high update-to-data
+    ratio (Ball et al. 2023, RLPD); ReLU because Mish costs a third of an update on a CPU."""
+    layers: list[nn.Module] = []
+    for i in range(len(sizes) - 2):
+        layers += [nn.Linear(sizes[i], sizes[i + 1]), nn.LayerNorm(sizes[i + 1]), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(sizes[-2], sizes[-1]))
+
+
+class TwinQ(nn.Module):
+    """``Q_1, Q_2 (o, w)``: ``[B, To*O]`` normalised observation window, ``[B, D]`` latent -> ``[2, B]``."""
+
+    def __init__(self, obs_in: int, latent_dim: int, hidden: tuple[int, ...] = (256, 256)):
+        super().__init__()
+        self.nets = nn.ModuleList(q_mlp([obs_in + latent_dim, *hidden, 1]) for _ in range(2))
+
+    def forward(self, o_flat: torch.Tensor, w_flat: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([o_flat, w_flat], 1)
+        return torch.stack([net(x).squeeze(-1) for net in self.nets])
+
+    def q1(self, o_flat: torch.Tensor, w_flat: torch.Tensor) -> torch.Tensor:
+        """``Q_1 (o, w)`` alone ``[B]``: what TD3's deterministic policy gradient follows (Fujimoto et al. 2018,
+        Alg. 1), without ``Q_2``'s forward and backward."""
+        return self.nets[0](torch.cat([o_flat, w_flat], 1)).squeeze(-1)

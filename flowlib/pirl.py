@@ -1,7 +1,7 @@
 """Notebook 04's study (piRL, Chen et al. 2025): the 2D marginal check, chain log-probs against ``K`` and
 ``a``, and the like-for-like PickCube comparison of noise methods at an equal env-step budget.
 
-The math is in ``flowlib.flow_sde``; the fine-tuning is ``flowlib.reinflow.train`` with a noise method.
+The math is in ``flowlib.flow_sde``; the fine-tuning is ``flowlib.stage3.train`` with a noise method.
 """
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import bc, flow_sde, reinflow
+from . import bc, flow_sde, stage3
 from .config import ConfigError, NonNegativeFloat, NonNegativeInt, PositiveInt, check_fields, require, validate
 from .metrics import sliced_wasserstein
 from .runs import policy_checkpoint, read_metrics, save_json
 from .tracking import Tracker
 
-# the comparison's variants: name -> ReinFlowConfig overrides
+# the comparison's variants: name -> Stage3Config overrides
 VARIANTS: dict[str, dict[str, Any]] = {
     "reinflow": {"noise_method": "reinflow"},
     "flow_noise": {"noise_method": "flow_noise"},
@@ -69,11 +69,11 @@ class FlowSDEConfig:
                 raise ConfigError(f"finetune: {key!r} is set by the comparison itself; remove it from finetune")
         self.finetune_config("reinflow", 0)  # unknown or badly typed finetune keys fail now, not mid-run
 
-    def finetune_config(self, method: str, seed: int) -> reinflow.ReinFlowConfig:
-        """The ``ReinFlowConfig`` of one comparison run: ``finetune`` + the method's overrides + the seed."""
+    def finetune_config(self, method: str, seed: int) -> stage3.Stage3Config:
+        """The ``Stage3Config`` of one comparison run: ``finetune`` + the method's overrides + the seed."""
         values = {**self.finetune, **VARIANTS[method], "seed": seed, "init_checkpoint": self.init_checkpoint,
                   "run_name": f"{method.replace('+', '_')}_s{seed}", "resume": self.resume}
-        return validate(reinflow.ReinFlowConfig, values, source="finetune")
+        return validate(stage3.Stage3Config, values, source="finetune")
 
 
 # --------------------------------------------------------------------------- 2D
@@ -137,7 +137,7 @@ def evaluate_start(cfg: FlowSDEConfig, env, run_path: Path) -> dict[str, Any]:
     if cfg.resume and path.exists():
         return json.loads(path.read_text())
     rcfg = cfg.finetune_config(cfg.methods[0], cfg.seeds[0])
-    agent, _ = reinflow.build_agent(rcfg, reinflow.init_checkpoint_path(rcfg), env.spec)
+    agent, _ = stage3.build_agent(rcfg, stage3.init_checkpoint_path(rcfg), env.spec)
     result = bc.evaluate(agent, env, rcfg.num_eval_episodes, rcfg.num_inference_steps, seed=rcfg.eval_seed)
     before = {k: result[k] for k in ("success_once", "success_at_end", "episodes")}
     save_json(path, before)
@@ -154,11 +154,11 @@ def run_method(cfg: FlowSDEConfig, method: str, seed: int, env, run_path: Path, 
     if cfg.resume and done.exists():
         return {**json.loads(done.read_text()), "rows": read_metrics(path)}
     torch.manual_seed(seed)
-    agent, _ = reinflow.build_agent(rcfg, reinflow.init_checkpoint_path(rcfg), env.spec)
+    agent, _ = stage3.build_agent(rcfg, stage3.init_checkpoint_path(rcfg), env.spec)
     tracker = Tracker(path, dataclasses.asdict(rcfg), wandb_mode=cfg.wandb_mode, project="flowlib-04",
                       resume=rcfg.resume)
     t0 = time.time()
-    out = reinflow.train(rcfg, agent, env, path, tracker)
+    out = stage3.train(rcfg, agent, env, path, tracker)
     train_time = time.time() - t0
     after = bc.evaluate(agent, env, rcfg.num_eval_episodes, rcfg.num_inference_steps, seed=rcfg.eval_seed)
     summary = {"method": method, "seed": seed, "env_steps": out["env_steps"], "train_time_s": train_time,

@@ -40,7 +40,7 @@ ESTIMATORS = ("gae", "mc", "nstep", "grpo", "branch")
 @dataclass
 class PPOConfig:
     """The settings of the advantage estimators and of ``ppo_update`` (learner ``"ppo"`` of stage 3).  Notebook 03
-    reads them as flat parameters: ``reinflow.ReinFlowConfig`` composes this class with the other learners'."""
+    reads them as flat parameters: ``stage3.Stage3Config`` composes this class with the other learners'."""
 
     update_epochs: PositiveInt = 2
     policy_epochs: NonNegativeInt = 0   # epochs of each update that train the policy (0: all); the value fits all

@@ -14,7 +14,7 @@ the log-likelihood of the executed chunk is the sum of the transition log-densit
     log pi(x_{0:K} | o) = log N(x_0; 0, I) [optional]  +  sum_k log N(x_{k+1}; x_k + v_k dt, sigma_k^2 I)
 
 which is exact (no ODE likelihood).  ``sigma`` comes from ``ExploreNoiseNet`` and is squashed into
-``[min_noise_std, max_noise_std]``; ``max_noise_std`` decays on a schedule (``flowlib.reinflow.noise_schedule``).
+``[min_noise_std, max_noise_std]``; ``max_noise_std`` decays on a schedule (``flowlib.loop.noise_schedule``).
 Evaluation drops the noise: the deterministic chain.
 
 ``flowlib.reinflow`` trains this agent with PPO (chunks as a semi-MDP); ``latent``, ``residual`` and
@@ -104,7 +104,7 @@ class NoisyVelocityUNet1D(nn.Module):
 # --------------------------------------------------------------------------- agent
 
 
-class ReinFlowAgent(nn.Module):
+class ReinFlowAgent(bc.ChunkPolicy):
     """Flow policy (a stage-1/2 ``FlowPolicy``) + noise + value net: the agent of stage 3 for every noise method.
 
     ``noise_method`` (``flowlib.flow_sde``): ``reinflow`` (learned noise std, ReinFlow Eq. 4),
@@ -175,6 +175,7 @@ class ReinFlowAgent(nn.Module):
                                                                    max_noise_std, hidden=noise_hidden))
         self.noise_method, self.hybrid, self.log_prob_reduce = noise_method, hybrid, log_prob_reduce
         self.register_buffer("noise_level", torch.tensor(float(noise_level)))
+        self.noise_level_start, self.max_noise_std_start = float(noise_level), float(max_noise_std)
         self.eligible = stochastic_steps(noise_method, num_inference_steps)
         if self.eligible < 1:
             raise ValueError(f"{noise_method} with K = {num_inference_steps} has no stochastic step: use K >= 2")
@@ -236,10 +237,10 @@ class ReinFlowAgent(nn.Module):
         return list(self.value_net.parameters())
 
     def set_max_noise_std(self, value: float) -> None:
+        """The noise schedule's bound: ``max_noise_std`` of the learned noise, and the SDE methods' ``noise_level``
+        scaled by the same factor (``noise_level * value / max_noise_std`` of the constructor's)."""
         self.actor.noise_net.max_noise_std.fill_(value)
-
-    def set_noise_level(self, value: float) -> None:
-        self.noise_level.fill_(value)
+        self.noise_level.fill_(self.noise_level_start * value / self.max_noise_std_start)
 
     def _norm_obs(self, obs_window: torch.Tensor) -> torch.Tensor:  # raw [B, To, O] -> normalised
         if obs_window.shape[1:] != (self.obs_horizon, self.obs_dim):

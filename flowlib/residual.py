@@ -30,11 +30,45 @@ there; steps ``1..K-1`` are the base chain's; step ``K`` is the chunk with ``r``
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 
+from .config import PositiveFloat, PositiveInt
 from .latent import LatentSteeringAgent
-from .reinflow import RESIDUAL_PER
+from .reinflow import score_options
 from .reinflow_agent import ReinFlowAgent
+
+RESIDUAL_PER = ("action", "chunk")  # one correction per executed action, or one for the whole chunk
+
+
+@dataclass
+class ResidualConfig:
+    """A bounded correction ``r`` of the frozen flow's actions (steers ``"residual"`` and ``"residual_step"``); its
+    exploration std is bounded by ``min/max_noise_std``."""
+
+    residual_bound: PositiveFloat = 0.5  # |mu| <= residual_bound per dim (normalised action units)
+    residual_gripper: bool = True  # False leaves the last action dim (the gripper) to the base
+    residual_hidden_dims: list[PositiveInt] = dataclasses.field(default_factory=lambda: [256, 256])  # mu's MLP
+
+
+@dataclass
+class ChunkResidualConfig:
+    """The residual chosen once per chunk (steer ``"residual"``)."""
+
+    residual_per: str = "action"  # "action": r [Ta, A], one per executed action; "chunk": r [A], for all Ta
+
+    def residual_checks(self) -> list[tuple[bool, str]]:
+        return [(self.residual_per in RESIDUAL_PER,
+                 f"residual_per must be one of {RESIDUAL_PER}, got {self.residual_per!r}")]
+
+
+def residual_agent(policy, cfg) -> "ResidualAgent":
+    """The chunk-level residual agent of ``cfg`` over a frozen stage-1/2 ``policy``."""
+    return ResidualAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
+                         tuple(cfg.value_hidden_dims), cfg.residual_bound, tuple(cfg.residual_hidden_dims),
+                         cfg.residual_per, correct_gripper=cfg.residual_gripper, **score_options(cfg))
 
 
 class ResidualAgent(LatentSteeringAgent):

@@ -28,7 +28,7 @@ step the deterministic policy is the stage-1 policy exactly, episode for episode
 
 Learner ``"ppo"`` (``StepResidualPPOAgent``) learns the same correction on-policy instead: the policy is the Gaussian
 ``r ~ N(mu_phi(s), sigma^2 I)`` (``sigma`` the scheduled exploration std, ``r`` unclipped), the critic a state value
-``V_psi(s)``, and every env step is a decision of ``reinflow.train``'s PPO loop (GAE over env steps with ``gamma`` per
+``V_psi(s)``, and every env step is a decision of ``learners.PPOLearner`` (GAE over env steps with ``gamma`` per
 step; the clipped surrogate of ``flowlib.ppo``, Schulman et al. 2017, Eq. 7), its log-prob ``A`` Gaussian dims (the
 arm's 3 when the gripper is left to the base) against a chunk decision's hundreds through the chain.
 
@@ -43,19 +43,16 @@ Evaluation (``flowlib.bc.evaluate``, ``flowlib.evaluate``) runs the base chunk a
 from __future__ import annotations
 
 import copy
-import math
 import time
 
-import numpy as np
 import torch
 import torch.nn as nn
-from tqdm import tqdm
 
+from .buffers import ReplayBuffer, RolloutBuffer
 from .flow_sde import gaussian_entropy, gaussian_log_prob
 from .latent import refuse_chain_options
-from .latent_sac import ReplayBuffer, TwinQ, on_all_cores, resume_with_replay
-from .nets import frozen, mlp
-from .reinflow import ReinFlowConfig, RolloutBuffer, end_iteration, episode_stats, noise_schedule, prepare_run
+from .learners import PPOLearner
+from .nets import TwinQ, mlp
 from .reinflow_agent import ReinFlowAgent
 from .smdp import ChunkRunner
 
@@ -68,13 +65,13 @@ class StepResidualAgent(ReinFlowAgent):
     target smoothing at 0 on the last action dim (the gripper), which then runs as the base commands it.  The
     ReinFlow noise and value nets it inherits are unused."""
 
-    STEER = "residual_step"
+    closed_loop = True  # flowlib.bc.evaluate corrects each executed action (correct_step)
     CLIP_EXPLORATION = True  # TD3 stores the clipped draw; PPO's subclass scores an unclipped one
 
     def __init__(self, policy, num_inference_steps: int = 8, min_noise_std: float = 0.01, max_noise_std: float = 0.05,
                  value_hidden_dims: tuple[int, ...] = (256, 256), residual_bound: float = 0.5,
                  residual_hidden: tuple[int, ...] = (256, 256), correct_gripper: bool = True, **kwargs):
-        why = f"steer {self.STEER!r} runs the flow's ODE; its policy is one Gaussian per env step (no chain log-prob)"
+        why = "steer 'residual_step' runs the flow's ODE; its policy is one Gaussian per env step (no chain log-prob)"
         refuse_chain_options(kwargs, why)
         for key, default in (("log_prob_reduce", "sum"), ("critic_input", "obs")):
             if kwargs.get(key, default) != default:
@@ -172,7 +169,7 @@ class StepResidualPPOAgent(StepResidualAgent):
     ``r ~ N(mu_phi(s), sigma^2 I)`` on the dims ``r`` acts on, with ``sigma`` the scheduled ``max_noise_std`` (not
     learned) and ``r`` not clipped, so that its density is exact; the critic is a state value ``V_psi(s)``
     (``value_hidden_dims``).  Every env step is a decision: ``score_rollout`` turns the collector's steps into the
-    ``RolloutBuffer`` that ``reinflow.train``'s GAE reads, with the state ``s`` in place of the observation window
+    ``RolloutBuffer`` that ``learners.PPOLearner``'s GAE reads, with the state ``s`` in place of the observation window
     and ``r`` as a one-row chain ``[1, A]``, and ``ppo_view`` is what ``flowlib.ppo.ppo_update`` scores them with.
     The chain methods it inherits (``sample``, ``log_prob``, ``value`` of a window) stay the base flow's."""
 
@@ -283,54 +280,6 @@ class NStepReturns:
         return out
 
 
-def replay_buffer(agent: StepResidualAgent, capacity: int) -> ReplayBuffer:
-    """Transitions ``obs [To, O]``, ``latent`` = the residual ``r [A]``, ``reward``, ``bootstrap`` =
-    ``gamma (1 - terminal)``, ``next_obs``, and the base actions ``base``, ``next_base`` ``[A]`` (normalised)."""
-    A = agent.action_dim
-    return ReplayBuffer(capacity, (agent.obs_horizon, agent.obs_dim), (A,), base=(A,), next_base=(A,))
-
-
-def actor_loss(agent: StepResidualAgent, s: torch.Tensor,
-               residual_l2: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """TD3's actor loss on the states ``s [B, S]``, ``-mean Q_1(s, mu_phi(s)) + residual_l2 mean (mu / b)^2``, and
-    ``mu [B, A]``.  Its gradient in ``phi`` is the deterministic policy gradient (Silver et al. 2014, Theorem 1) through
-    the critic (Fujimoto et al. 2018, Alg. 1); the critics get none (``frozen``)."""
-    mu = agent.residual(s)                                                                    # [B, A]
-    with frozen(agent.q):  # dQ_1/dr only: no weight gradients for the critics, no Q_2 (a third of the step)
-        q_pi = agent.critic_1(s, mu)                                                          # [B]
-    return -q_pi.mean() + residual_l2 * (mu / agent.residual_bound).pow(2).mean(), mu
-
-
-def td3_update(agent: StepResidualAgent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg: ReinFlowConfig,
-               train_policy: bool = True) -> dict[str, float]:
-    """One critic step on the TD3 target, then (``train_policy``) one actor step and the Polyak step of the
-    targets (module docstring).  With ``train_policy`` False only the critics move (warm-up, delayed steps)."""
-    device = agent.explore_std.device
-    b = {k: v.to(device) for k, v in batch.items()}
-    s, s_next = agent.state(b["obs"], b["base"]), agent.state(b["next_obs"], b["next_base"])
-    with torch.no_grad():
-        eps = (torch.randn_like(b["latent"]) * cfg.td3_target_noise).clamp(-cfg.td3_noise_clip, cfg.td3_noise_clip)
-        eps = eps * agent.residual_mask
-        r_next = (agent.residual(s_next, target=True) + eps).clamp(-agent.residual_bound, agent.residual_bound)
-        y = b["reward"] + b["bootstrap"] * agent.critic(s_next, r_next, target=True).min(0).values  # [B]
-    q = agent.critic(s, b["latent"])                                                          # [2, B]
-    q_loss = (q - y).pow(2).mean(1).sum()
-    critic_opt.zero_grad(set_to_none=True)
-    q_loss.backward()
-    nn.utils.clip_grad_norm_(critic_opt.param_groups[0]["params"], cfg.max_grad_norm)  # = value_parameters()
-    critic_opt.step()
-    stats = {"value_loss": q_loss.item() / 2, "q": q.mean().item(), "target": y.mean().item()}
-    if train_policy:
-        loss, mu = actor_loss(agent, s, cfg.residual_l2)
-        actor_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(actor_opt.param_groups[0]["params"], cfg.max_grad_norm)  # = policy_parameters()
-        actor_opt.step()
-        stats.update({"policy_loss": loss.item(), "residual_rms": mu.pow(2).mean().sqrt().item()})
-    agent.update_targets(cfg.sac_tau, actor=train_policy)  # Q_bar follows Q in the warm-up too
-    return stats
-
-
 class StepCollector:
     """Runs every env one step at a time.  Every ``Ta`` steps all envs re-plan together (one chain for the batch,
     as stage 1 runs); an env whose episode ended re-plans alone at its reset and joins the common schedule at the
@@ -420,73 +369,18 @@ class _Steps(list):
         self.append(row)
 
 
-def optimizers(agent: StepResidualAgent, cfg: ReinFlowConfig):
-    """``(actor_opt, critic_opt)``: Adam over the residual actor and over the twin Q, with torch's fused kernel (one
-    pass over all tensors; on CPU a third of the ``foreach`` version's time and a fifth of the default loop's, which
-    cost a tenth of a small TD3 step; ``benchmarks/td3_update_speed.py``)."""
-    return (torch.optim.Adam(agent.policy_parameters(), lr=cfg.actor_lr, fused=True),
-            torch.optim.Adam(agent.value_parameters(), lr=cfg.critic_lr, fused=True))
+def step_ppo_agent(policy, cfg) -> StepResidualPPOAgent:
+    """The per-step residual agent that PPO learns (``cfg``'s ``ResidualConfig``) over a frozen stage-1/2 ``policy``."""
+    return StepResidualPPOAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
+                                tuple(cfg.value_hidden_dims), cfg.residual_bound, tuple(cfg.residual_hidden_dims),
+                                correct_gripper=cfg.residual_gripper, act_horizon=cfg.act_horizon, obs_clip=cfg.obs_clip)
 
 
-def actor_lr(cfg: ReinFlowConfig, env_steps: int) -> float:
-    """The actor's learning rate for the updates after ``env_steps`` env steps: ``actor_lr`` ramped linearly from 0
-    over the ``actor_lr_warmup_steps`` env steps past ``critic_warmup_steps`` (a learning-rate warm-up as in Goyal
-    et al. 2017, here of the actor alone): the first actor steps follow a critic fitted to the stage-1 policy's
-    data only, and at full rate they move ``r`` to the bound's half within one iteration.  Measured (docs/stage3.md):
-    the ramp shortens the dip that follows and ends on the same plateau."""
-    if cfg.actor_lr_warmup_steps <= 0:
-        return cfg.actor_lr
-    return cfg.actor_lr * min(1.0, max(0.0, (env_steps - cfg.critic_warmup_steps) / cfg.actor_lr_warmup_steps))
+def step_ppo_learner(agent: StepResidualPPOAgent, cfg) -> PPOLearner:
+    """PPO on the per-step residual: every env step a decision (``StepCollector.rollout``), scored through
+    ``ppo_view``."""
+    def make_rollout(agent, runner, generator):
+        collector = StepCollector(agent, runner, generator, n_step=0)
+        return lambda: collector.rollout(cfg.rollout_steps * agent.act_horizon)
 
-
-def train(cfg: ReinFlowConfig, agent: StepResidualAgent, env, run_path, tracker=None) -> dict:
-    """TD3 on the per-step residual: each iteration runs ``rollout_steps x Ta`` env steps of every env into the
-    replay buffer, then takes ``sac_updates_per_decision`` critic steps per stored transition (batches of
-    ``sac_batch_size``), the actor's every ``td3_policy_delay``-th of them once the iteration starts past
-    ``critic_warmup_steps`` (none until the buffer holds one batch), at the rate ``actor_lr`` gives.  Evaluation,
-    ``best_model.pt``, ``last.pt`` (with the buffer) and resuming are as in ``reinflow.train``."""
-    if not isinstance(agent, StepResidualAgent):
-        raise TypeError(f"learner 'td3' trains a StepResidualAgent (steer: residual_step), got {type(agent).__name__}")
-    run_path = prepare_run(cfg, agent, run_path)
-    actor_opt, critic_opt = optimizers(agent, cfg)
-    N, Ta = env.num_envs, agent.act_horizon
-    per_iter = cfg.rollout_steps * Ta * N
-    num_iters = max(1, math.ceil(cfg.total_env_steps / per_iter))
-    last = run_path / "last.pt"
-    buffer = replay_buffer(agent, cfg.sac_buffer_size)
-    start, runner, best = resume_with_replay(cfg, agent, last, actor_opt, critic_opt, env, buffer, tracker)
-    gen = torch.Generator().manual_seed(cfg.seed * 100_003 + start)
-    collector = StepCollector(agent, runner, gen, cfg.td3_n_step)
-    updates = max(1, round(cfg.sac_updates_per_decision * per_iter))
-    bar = tqdm(total=num_iters, initial=start, desc="residual TD3", mininterval=10)
-    for iteration in range(start, num_iters):
-        sigma = noise_schedule(cfg.noise_schedule, runner.env_steps / max(cfg.noise_decay_steps, 1),
-                               cfg.max_noise_std, cfg.final_noise_std)
-        agent.set_max_noise_std(sigma)
-        agent.eval()
-        steps_before, t0 = runner.env_steps, time.time()
-        policy_time = collector.collect(buffer, cfg.rollout_steps * Ta)
-        rollout_time = time.time() - t0
-        warmup = steps_before < cfg.critic_warmup_steps
-        for group in actor_opt.param_groups:
-            group["lr"] = actor_lr(cfg, runner.env_steps)
-        agent.train()
-        t1 = time.time()
-        stats = on_all_cores(lambda i: td3_update(agent, buffer.sample(cfg.sac_batch_size, gen), actor_opt, critic_opt,
-                                                  cfg, train_policy=not warmup and (i + 1) % cfg.td3_policy_delay == 0),
-                             updates if len(buffer) >= cfg.sac_batch_size else 0)
-        update_time = time.time() - t1
-        row = {"iteration": iteration + 1, "critic_warmup": float(warmup), "max_noise_std": sigma,
-               "actor_lr": actor_opt.param_groups[0]["lr"], "rollout_time": rollout_time,
-               "rollout_policy_time": policy_time, "update_time": update_time,
-               "env_steps_per_s": per_iter / max(rollout_time, 1e-9), "updates": len(stats), "buffer": len(buffer),
-               **{k: float(np.mean([s_[k] for s_ in stats if k in s_])) for k in
-                  sorted({k for s_ in stats for k in s_})}}
-        episodes = runner.pop_finished()
-        row.update({"episodes": len(episodes), **episode_stats(episodes)})
-        best = end_iteration(cfg, agent, env, runner, row, best, iteration, num_iters, run_path, actor_opt, critic_opt,
-                             tracker, extra=lambda: {"replay": buffer.state_dict()})
-        bar.update()
-    bar.close()
-    agent.eval()
-    return {"best": best, "iterations": num_iters, "env_steps": runner.env_steps}
+    return PPOLearner(agent, cfg, make_rollout, scorer=agent.ppo_view(), name="residual PPO")

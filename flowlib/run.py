@@ -26,7 +26,8 @@ NOTEBOOK_CONFIGS = {
     "00_flows_2d": "flowlib.toy2d:Flows2DConfig",
     "01_shortcut_bc": "flowlib.bc:ShortCutBCConfig",
     "02_aw_shortcut": "flowlib.awsc:AWShortCutConfig",
-    "03_reinflow": "flowlib.reinflow:ReinFlowConfig",
+    "03_reinflow": "flowlib.stage3:Stage3Config",
+    "06_steering": "flowlib.stage3:SteeringConfig",
     "04_flow_sde": "flowlib.pirl:FlowSDEConfig",
     "05_ablation_report": "flowlib.sweep:SweepReportConfig",
 }
@@ -35,13 +36,15 @@ NOTEBOOK_CONFIGS = {
 # notebook -> the checkpoint it starts from ("module:function", config -> path; FileNotFoundError saying how to make it)
 NOTEBOOK_INPUTS = {
     "02_aw_shortcut": "flowlib.awsc:stage1_checkpoint_path",
-    "03_reinflow": "flowlib.reinflow:init_checkpoint_path",
+    "03_reinflow": "flowlib.stage3:init_checkpoint_path",
+    "06_steering": "flowlib.stage3:init_checkpoint_path",
     "04_flow_sde": "flowlib.pirl:init_checkpoint_path",
 }
 
 # notebook -> a check of its parameters against the files they name ("module:function", config -> problem or "")
 NOTEBOOK_PREFLIGHT = {
-    "03_reinflow": "flowlib.reinflow:start_problem",
+    "03_reinflow": "flowlib.stage3:start_problem",
+    "06_steering": "flowlib.stage3:start_problem",
 }
 
 

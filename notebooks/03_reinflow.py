@@ -15,7 +15,7 @@
 # ---
 
 # %% [markdown]
-# # 03 · Stage 3: ReinFlow, online PPO fine-tuning of the flow policy
+# # 03 · Stage 3: ReinFlow, online PPO fine-tuning of the flow policy through its denoising chain
 #
 # Stages 1 and 2 learned from fixed data. Stage 3 lets the policy act in the simulator and improves
 # it by policy gradient. A flow policy has no tractable likelihood for its action, so ReinFlow
@@ -114,47 +114,9 @@
 # per dim. `tests/test_ppo.py` checks the machinery on a one-step bandit (the reward rises, and flipping
 # the advantage lowers it); DPPO and ReinFlow feed it thousands of decisions per update on a GPU.
 #
-# **Steering $x_0$ instead** (`steer = "latent"`, `flowlib.latent`, DSRL's idea). The flow stays frozen and PPO
-# moves a Gaussian policy over the chain's start, $x_0 \sim \mathcal{N}(\mu_\phi(o), \sigma^2 I)$ with
-# $|\mu| \le b$; the chain is the ODE. The log-prob has $H \times A$ dims of std $\sim 1$ instead of
-# $K \times H \times A$ of std $\sim 0.1$, and re-scoring is one MLP call. At the start ($\mu = 0$) the noisy
-# policy is the stage-1 policy; the deterministic one starts the chain at $x_0 = \mu$.
-#
-# **Learning it off-policy** (`learner = "sac"`, `flowlib.latent_sac`, DSRL's learner). With the flow frozen,
-# $w = x_0$ is an action whose dynamics are fixed, so every decision so far can train a twin critic
-# $Q_j(o, w)$ on the SMDP target $y = R + \gamma^\tau (1 - \text{term}) \min_j \bar Q_j(o', w')$,
-# $w' \sim \pi(\cdot \mid o')$, from a replay buffer. The actor minimises
-# $\alpha\,\mathrm{KL}(\pi(\cdot \mid o) \,\|\, \mathcal{N}(0, I))/D - \min_j Q_j(o, \mu + \sigma\epsilon)$: the KL to
-# the stage-1 policy's own latent keeps $x_0$ where the flow and the critic have seen data, and $\alpha$ moves so
-# that the KL per dim stays at `sac_target_kl`. `critic_warmup_steps` fits $Q$ alone on the stage-1 policy's data.
-#
-# **Correcting the executed actions** (`steer = "residual"`, `flowlib.residual`; residual RL, as ResiP and Policy
-# Decorator do with diffusion policies). The flow, from its own $x_0 \sim \mathcal{N}(0, I)$, proposes the chunk
-# whose executed part is $a_b$; PPO moves a Gaussian correction $r \sim \mathcal{N}(\mu_\phi(o, a_b), \sigma^2 I)$,
-# $|\mu| \le b$, and $a = a_b + r$ runs. The log-prob has the $T_a \times A$ dims of $r$ only ($x_0$ does not
-# depend on $\phi$ and cancels in the ratio). At the start ($\mu = 0$) the deterministic policy is the stage-1
-# policy; $\sigma$ must stay small: at $\sigma \approx 0.19$ (5-7 mm per step) the stage-1 policy plus the noise
-# alone succeeded in 0.06-0.2 of its training episodes, at 0.05 in about half, as without it.
-#
-# **Correcting every step, closed loop** (`steer = "residual_step"`, `learner = "td3"`, `flowlib.residual_step`;
-# Residual Policy Learning, Silver et al. 2018). The flow still re-plans every $T_a$ steps and its chunk runs open
-# loop; at every env step a residual actor $r_t = \mu_\phi(o_t, a_b)$, $|r_t| \le b$, corrects the base action due now
-# from the *current* observation, and $a_t = a_b + r_t$ runs. Each env step is one transition of an ordinary MDP with
-# state $s_t = (o_t, a_b)$, learned off-policy by TD3 (Fujimoto et al. 2018): twin critics on
-# $y = R_t + \gamma (1 - \text{term}) \min_j \bar Q_j(s', \mathrm{clip}(\bar\mu(s') + \epsilon))$ and the deterministic
-# policy gradient $\nabla_\phi Q_1(s, \mu_\phi(s))$ every second critic step ($R_t$ is the step's reward, not the
-# residual). With `td3_n_step` $= n > 1$ the target sums $n$ rewards before it bootstraps,
-# $y = \sum_{k<m} \gamma^k R_{t+k} + \gamma^m (1 - \text{term}) \min_j \bar Q_j(s_{t+m}, \cdot)$, $m = n$ or fewer where
-# the episode ends (Sutton & Barto 2018, Eq. 7.1; D4PG and Rainbow use it without an off-policy correction): a
-# reward reaches the target $n$ steps back at once instead of through $n$ bootstraps of a critic still being fitted,
-# at the price of the exploration noise of the $n - 1$ steps after $t$ entering $Q(s_t, r_t)$. With `learner = "ppo"`
-# the same correction is learned on-policy: $r_t \sim \mathcal N(\mu_\phi(s_t), \sigma^2 I)$ unclipped, a state value
-# $V_\psi(s_t)$, GAE over env steps, and every env step is a PPO decision whose log-prob has the arm's 3 dims
-# (`params/03_reinflow/cpu_step_ppo.yaml`: 0.962 over three seeds at 1.02M env steps, 5-8x what TD3 needs; PPO
-# through the chain, given the same reward terms and 1.02M env steps, stays where it started, and the same residual
-# chosen once per chunk loses 0.17-0.19 on each of three seeds). Why per step: the stage-1 policy grasps the cube in
-# 0.90 of held-out episodes but places it in 0.58, hovering centimetres from the goal; a hand-written per-step nudge
-# towards the goal while grasped lifts it to 0.88 on the same 200 episodes.
+# **Steering the frozen flow instead** (x_0, a residual per chunk or per env step, by PPO, SAC or TD3) is
+# notebook `06_steering`: the same loop, other methods of `flowlib.stage3.METHODS`.
+
 
 # %%
 import time
@@ -164,14 +126,14 @@ import numpy as np
 import pandas as pd
 import torch
 
-from flowlib import bc, config, reinflow, runs
+from flowlib import bc, bench, config, loop, runs, stage3
 from flowlib.envs import make_env
 from flowlib.tracking import start_run
 
 # %% tags=["parameters"]
 # Defaults: a short CPU run from notebook 01's default checkpoint (minutes; it shows the machinery,
-# not a better policy). params/03_reinflow/cpu.yaml is the ~1 h CPU run that takes PickCube past 0.90
-# (a per-step residual, TD3), cpu_ppo.yaml the ~1 h PPO run through the chain, baseline.yaml the paper-size one.
+# not a better policy). params/03_reinflow/cpu_ppo.yaml is the ~1 h PPO run through the chain on 2 cores,
+# baseline.yaml the paper-size one (GPU).
 seed = 0
 init_checkpoint = ""
 env_id = "PickCube-v1"
@@ -195,30 +157,7 @@ noise_schedule = "linear"
 noise_decay_steps = 512
 include_initial_noise = False
 log_prob_over = "chunk"
-steer = "chain"  # "latent": PPO on a Gaussian policy over x_0 (flowlib.latent); "residual": on a correction of the
-                 # executed actions (flowlib.residual); "residual_step": a per-step correction learned by TD3 or
-                 # PPO (flowlib.residual_step); all three keep the flow frozen
 freeze_obs_encoder = False  # steer "chain": keep the velocity net's obs_encoder (stage 1's obs_emb_dim > 0) fixed
-latent_bound = 2.5
-latent_hidden_dims = [256, 256]
-residual_bound = 0.5
-residual_gripper = True  # steers "residual" / "residual_step": False leaves the gripper dim to the base
-residual_per = "action"  # steer "residual": "chunk" adds one correction r [A] to every executed action
-learner = "ppo"  # steer "latent": "sac" learns pi(x_0 | o) off-policy from a replay buffer (flowlib.latent_sac)
-                 # steer "residual_step": "td3" (off-policy) or "ppo" (every env step a decision)
-sac_batch_size = 256
-sac_updates_per_decision = 1.0
-sac_buffer_size = 200000
-sac_tau = 0.005
-sac_init_alpha = 1.0
-sac_alpha_lr = 0.003
-sac_target_kl = 0.1
-td3_target_noise = 0.05
-td3_noise_clip = 0.1
-td3_policy_delay = 2
-td3_n_step = 1
-residual_l2 = 0.0
-actor_lr_warmup_steps = 0
 noise_method = "reinflow"
 noise_level = 0.5
 hybrid = False
@@ -270,11 +209,11 @@ run_name = "default"
 wandb_mode = "disabled"
 
 # %%
-cfg = config.from_globals(reinflow.ReinFlowConfig, globals())
+cfg = config.from_globals(stage3.Stage3Config, globals())
 run_path, tracker = start_run("03_reinflow", cfg)
-init_path = reinflow.init_checkpoint_path(cfg)
+init_path = stage3.init_checkpoint_path(cfg)
 env = make_env(cfg.env_id, cfg.num_envs, max_episode_steps=cfg.max_episode_steps, backend=cfg.backend)
-agent, value_init = reinflow.build_agent(cfg, init_path, env.spec)
+agent, value_init = stage3.build_agent(cfg, init_path, env.spec)
 print(f"run folder: outputs/03_reinflow/{cfg.run_name}; from {init_path.parent.name}/{init_path.name}; "
       f"V: {value_init}; {env.num_envs} env(s) on {env.backend}")
 
@@ -314,7 +253,7 @@ print(f"before fine-tuning: success_once {before['success_once']:.2f}, success_a
 # %%
 t0 = time.time()
 trained_before = tracker.rows[-1]["wall_time"] if tracker.rows else 0.0  # a resumed run: its earlier sessions
-out = reinflow.train(cfg, agent, env, run_path, tracker)
+out = stage3.train(cfg, agent, env, run_path, tracker)
 train_time = trained_before + time.time() - t0
 history = pd.DataFrame(tracker.rows)
 print(f"{out['iterations']} iterations, {out['env_steps']} env steps in {train_time:.0f}s")
@@ -369,7 +308,7 @@ print(f"same {cfg.num_eval_episodes} evaluation episodes before and after: {befo
 
 # %%
 steps = np.linspace(0, max(cfg.total_env_steps, cfg.noise_decay_steps), 200)
-planned = [reinflow.noise_schedule(cfg.noise_schedule, s / cfg.noise_decay_steps, cfg.max_noise_std, cfg.final_noise_std)
+planned = [loop.noise_schedule(cfg.noise_schedule, s / cfg.noise_decay_steps, cfg.max_noise_std, cfg.final_noise_std)
            for s in steps]
 fig, ax = plt.subplots(figsize=(5, 2.8))
 ax.plot(steps, planned, label=f"max_noise_std ({cfg.noise_schedule})")
@@ -393,8 +332,8 @@ env.close()
 bench_rows = []
 for n in cfg.bench_num_envs:
     with make_env(cfg.env_id, n, max_episode_steps=cfg.max_episode_steps, backend=cfg.backend) as bench_env:
-        bench_rows.append({**reinflow.overhead(agent, bench_env, cfg.bench_decisions, seed=cfg.eval_seed),
-                           "batch": n, "peak_memory_mb": reinflow.peak_memory_mb()})
+        bench_rows.append({**bench.overhead(agent, bench_env, cfg.bench_decisions, seed=cfg.eval_seed),
+                           "batch": n, "peak_memory_mb": bench.peak_memory_mb()})
 bench = pd.DataFrame(bench_rows)
 runs.save_json(run_path / "benchmark.json", {"backend": bench_env.backend, "K": cfg.num_inference_steps,
                                               "rows": bench.to_dict("records")})
@@ -431,10 +370,4 @@ print(f"success_once {before['success_once']:.2f} -> {after['success_once']:.2f}
 # more than 15k-28k decisions each. The noise $s$ falls as $1/\sigma^2$ with the exploration std $\sigma$, since each
 # score term carries $\varepsilon / \sigma$.
 #
-# The same script measures the per-step residual (`steer = "residual_step"`), whose decisions are single env steps.
-# With `learner = "ppo"` it takes the likelihood-ratio gradient of $\mathcal N(\mu_\phi(s), \sigma^2 I)$. With
-# `learner = "td3"` it takes TD3's deterministic policy gradient $\nabla_\phi Q_1(s, \mu_\phi(s))$
-# (`residual_step.actor_loss`), which samples no noise of its own. At 311k env steps, PPO's gradient shows no signal in
-# 65k decisions on any of three seeds, while TD3's is detected on all three (5k-18k decisions for cosine 1/2). At
-# PPO's converged 1M checkpoint its gradient needs 25.8k: a 256-decision step is mostly noise for both. TD3 also
-# takes 8x as many steps per env step from its replay (docs/stage3.md, "The same residual, learned by PPO").
+# The same script measures the per-step residual of notebook `06_steering`, where TD3's gradient does carry signal.

@@ -9,7 +9,7 @@ import pytest
 from flowlib.config import ConfigError, from_globals, from_yaml, parse_yaml, validate
 from flowlib.run import NOTEBOOK_CONFIGS, config_class, main, resolve_parameters
 from flowlib.bc import ShortCutBCConfig
-from flowlib.reinflow import ReinFlowConfig
+from flowlib.stage3 import Stage3Config, checkpoint_config
 from flowlib.runs import REPO_ROOT
 from flowlib.toy2d import Flows2DConfig
 
@@ -76,12 +76,12 @@ def test_every_params_file_validates_against_its_notebook(path: Path):
 
 
 @pytest.mark.parametrize("cls, values, message", [
-    (ReinFlowConfig, {"num_envs": 0}, "'num_envs' = 0: should be greater than 0 (expected int > 0)"),
-    (ReinFlowConfig, {"actor_lr": -3e-5}, "'actor_lr' = -3e-05: should be greater than 0"),
-    (ReinFlowConfig, {"gamma": 1.5}, "'gamma' = 1.5: should be less than or equal to 1 (expected float >= 0, <= 1)"),
-    (ReinFlowConfig, {"max_noise_std": float("nan")}, "'max_noise_std' = nan: should be a finite number"),
-    (ReinFlowConfig, {"target_kl": float("inf")}, "'target_kl' = inf: should be a finite number"),
-    (ReinFlowConfig, {"bench_num_envs": [1, 0]}, "'bench_num_envs'[1] = 0: should be greater than 0"),
+    (Stage3Config, {"num_envs": 0}, "'num_envs' = 0: should be greater than 0 (expected int > 0)"),
+    (Stage3Config, {"actor_lr": -3e-5}, "'actor_lr' = -3e-05: should be greater than 0"),
+    (Stage3Config, {"gamma": 1.5}, "'gamma' = 1.5: should be less than or equal to 1 (expected float >= 0, <= 1)"),
+    (Stage3Config, {"max_noise_std": float("nan")}, "'max_noise_std' = nan: should be a finite number"),
+    (Stage3Config, {"target_kl": float("inf")}, "'target_kl' = inf: should be a finite number"),
+    (Stage3Config, {"bench_num_envs": [1, 0]}, "'bench_num_envs'[1] = 0: should be greater than 0"),
     (ShortCutBCConfig, {"batch_size": 0}, "'batch_size' = 0"),
     (Flows2DConfig, {"eval_steps": [1, -2]}, "'eval_steps'[1] = -2"),
 ])
@@ -93,7 +93,7 @@ def test_values_out_of_range_or_not_finite_are_rejected_naming_the_key(cls, valu
 
 
 def test_a_config_built_in_code_is_range_checked_too():
-    cfg = ReinFlowConfig()
+    cfg = Stage3Config()
     with pytest.raises(ConfigError, match="'num_envs' = -1: should be greater than 0"):
         dataclasses.replace(cfg, num_envs=-1)
     with pytest.raises(ConfigError, match="'lr' = nan: should be a finite number"):
@@ -103,7 +103,7 @@ def test_a_config_built_in_code_is_range_checked_too():
 
 def test_a_failed_check_across_fields_is_a_config_error_naming_the_source():
     with pytest.raises(ConfigError, match=r"^run.yaml: need min_noise_std \(0.5\) <= final_noise_std"):
-        validate(ReinFlowConfig, {"min_noise_std": 0.5}, source="run.yaml")
+        validate(Stage3Config, {"min_noise_std": 0.5}, source="run.yaml")
 
 
 TD3 = {"steer": "residual_step", "learner": "td3"}
@@ -111,40 +111,67 @@ SAC = {"steer": "latent", "learner": "sac"}
 
 
 @pytest.mark.parametrize("values, message", [
-    ({**TD3, "ent_coef": 0.05}, "learner 'td3' ignores ent_coef (read only by learner 'ppo')"),
-    ({**SAC, "clip_coef": 0.3, "target_kl": 0.1},
-     "learner 'sac' ignores clip_coef, target_kl (read only by learner 'ppo')"),
-    ({"td3_n_step": 3}, "learner 'ppo' ignores td3_n_step (read only by learner 'td3')"),
-    ({**TD3, "sac_target_kl": 0.2}, "learner 'td3' ignores sac_target_kl (read only by learner 'sac')"),
-    ({"sac_buffer_size": 1000}, "learner 'ppo' ignores sac_buffer_size (read only by learner 'sac' / 'td3')"),
-    ({"latent_bound": 2.0}, "steer 'chain' ignores latent_bound (read only by steer 'latent')"),
-    ({**TD3, "residual_per": "chunk"}, "steer 'residual_step' ignores residual_per (read only by steer 'residual')"),
-    ({"latent_hidden_dims": [64]}, "steer 'chain' ignores latent_hidden_dims (read only by steer 'latent' / "
-                                   "'residual' / 'residual_step')"),
+    ({**TD3, "ent_coef": 0.05}, "steer 'residual_step' with learner 'td3' does not read ent_coef (PPOConfig, read by "
+                                "steer/learner chain/ppo, latent/ppo, residual/ppo, residual_step/ppo)"),
+    ({**SAC, "clip_coef": 0.3, "target_kl": 0.1}, "does not read clip_coef, target_kl (PPOConfig"),
+    ({"td3_n_step": 3}, "steer 'chain' with learner 'ppo' does not read td3_n_step (TD3Config, read by steer/learner "
+                        "residual_step/td3)"),
+    ({**TD3, "sac_target_kl": 0.2}, "does not read sac_target_kl (SACConfig, read by steer/learner latent/sac)"),
+    ({"replay_size": 1000}, "does not read replay_size (ReplayConfig, read by steer/learner latent/sac, "
+                            "residual_step/td3)"),
+    ({"latent_bound": 2.0}, "does not read latent_bound (LatentConfig, read by steer/learner latent/ppo, latent/sac)"),
+    ({**TD3, "residual_per": "chunk"}, "does not read residual_per (ChunkResidualConfig, read by steer/learner "
+                                       "residual/ppo)"),
+    ({**TD3, "latent_hidden_dims": [64]}, "does not read latent_hidden_dims (LatentConfig"),
+    ({"residual_hidden_dims": [64]}, "does not read residual_hidden_dims (ResidualConfig, read by steer/learner "
+                                     "residual/ppo, residual_step/td3, residual_step/ppo)"),
+    ({**SAC, "noise_corr": 0.5}, "does not read noise_corr (ChainConfig, read by steer/learner chain/ppo)"),
+    ({**TD3, "log_prob_reduce": "mean"}, "does not read log_prob_reduce (ChunkScoreConfig"),
 ])
-def test_a_field_that_the_learner_or_steer_would_ignore_is_rejected(values, message):
-    with pytest.raises(ConfigError, match=re.escape(message) + ": leave the key out or set (learner|steer)"):
-        validate(ReinFlowConfig, values)
+def test_a_field_that_the_method_would_ignore_is_rejected(values, message):
+    with pytest.raises(ConfigError, match=re.escape(message) + ".*: leave the key out or choose such a method"):
+        validate(Stage3Config, values)
 
 
-def test_each_learner_and_steer_takes_its_own_fields_and_the_shared_ones():
-    validate(ReinFlowConfig, {"ent_coef": 0.05, "clip_coef": 0.3, "update_epochs": 8})
-    validate(ReinFlowConfig, {**TD3, "td3_n_step": 3, "residual_l2": 0.1, "sac_buffer_size": 1000, "sac_tau": 0.01})
-    validate(ReinFlowConfig, {**SAC, "sac_target_kl": 0.2, "sac_buffer_size": 1000, "sac_tau": 0.01,
-                              "latent_bound": 2.0, "latent_hidden_dims": [64]})
-    validate(ReinFlowConfig, {"steer": "residual", "residual_per": "chunk", "residual_bound": 0.3})
+@pytest.mark.parametrize("values", [{"steer": "chain", "learner": "td3"}, {"steer": "residual", "learner": "sac"},
+                                    {"steer": "tail", "learner": "ppo"}])
+def test_a_steer_and_learner_that_make_no_method_are_one_error_listing_the_methods(values):
+    with pytest.raises(ConfigError, match=re.escape(
+            f"steer {values['steer']!r} with learner {values['learner']!r} is not a stage-3 method: choose one of "
+            "(steer/learner) chain/ppo, latent/ppo, latent/sac, residual/ppo, residual_step/td3, residual_step/ppo")):
+        validate(Stage3Config, values)
 
 
-def test_a_checkpoints_config_drops_what_its_learner_ignores_but_an_override_may_not_set_it():
-    from flowlib.reinflow import checkpoint_config
+def test_a_renamed_key_names_its_new_name():
+    with pytest.raises(ConfigError, match=re.escape("unknown parameter 'sac_buffer_size' (renamed 'replay_size')")):
+        validate(Stage3Config, {**TD3, "sac_buffer_size": 1000})
 
-    ran = dataclasses.asdict(ReinFlowConfig(**SAC, sac_batch_size=4))
+
+def test_each_method_takes_its_own_fields_and_the_shared_ones():
+    validate(Stage3Config, {"ent_coef": 0.05, "clip_coef": 0.3, "update_epochs": 8})
+    validate(Stage3Config, {**TD3, "td3_n_step": 3, "residual_l2": 0.1, "replay_size": 1000, "target_tau": 0.01,
+                            "residual_hidden_dims": [64]})
+    validate(Stage3Config, {**SAC, "sac_target_kl": 0.2, "replay_size": 1000, "target_tau": 0.01,
+                            "latent_bound": 2.0, "latent_hidden_dims": [64]})
+    validate(Stage3Config, {"steer": "residual", "residual_per": "chunk", "residual_bound": 0.3})
+
+
+def test_a_checkpoints_config_drops_what_its_method_ignores_but_an_override_may_not_set_it():
+    ran = dataclasses.asdict(Stage3Config(**SAC, replay_batch_size=4))
     older = {**ran, "ent_coef": 0.05}  # a run from before the check, where PPO's field did nothing
-    assert checkpoint_config({"config": older}).ent_coef == ReinFlowConfig().ent_coef
+    assert checkpoint_config({"config": older}).ent_coef == Stage3Config().ent_coef
     as_ppo = checkpoint_config({"config": ran}, {"learner": "ppo"})  # the same weights, another learner
-    assert as_ppo.learner == "ppo" and as_ppo.sac_batch_size == ReinFlowConfig().sac_batch_size
-    with pytest.raises(ConfigError, match="learner 'ppo' ignores sac_tau"):
-        checkpoint_config({"config": ran}, {"learner": "ppo", "sac_tau": 0.01})
+    assert as_ppo.learner == "ppo" and as_ppo.replay_batch_size == Stage3Config().replay_batch_size
+    with pytest.raises(ConfigError, match="with learner 'ppo' does not read target_tau"):
+        checkpoint_config({"config": ran}, {"learner": "ppo", "target_tau": 0.01})
+
+
+def test_a_checkpoints_config_reads_old_names_as_the_new_ones():
+    ran = {k: v for k, v in dataclasses.asdict(Stage3Config(**TD3)).items()
+           if k not in ("replay_size", "residual_hidden_dims")}
+    old = {**ran, "sac_buffer_size": 5000, "latent_hidden_dims": [32]}  # as runs before the split wrote them
+    cfg = checkpoint_config({"config": old})
+    assert cfg.replay_size == 5000 and cfg.residual_hidden_dims == [32]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -154,7 +181,7 @@ def test_a_checkpoints_config_drops_what_its_learner_ignores_but_an_override_may
     (["02_aw_shortcut"], "stage1_checkpoint: checkpoint"),
     (["03_reinflow"], "init_checkpoint: checkpoint"),
     (["04_flow_sde"], "init_checkpoint: checkpoint"),
-    (["03_reinflow", "--params", str(REPO_ROOT / "params/03_reinflow/cpu.yaml")],  # the run that writes its start
+    (["06_steering", "--params", str(REPO_ROOT / "params/06_steering/cpu.yaml")],  # the run that writes its start
      "cpu150/best_model.pt not found: run notebook 01 first (python -m flowlib.run 01_shortcut_bc --params "
      "params/01_shortcut_bc/cpu150.yaml)"),
     (["03_reinflow", "--params", str(REPO_ROOT / "params/03_reinflow/baseline.yaml")],

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from flowlib import flow_sde, reinflow, reinflow_agent
+from flowlib import flow_sde, reinflow_agent, stage3
 from flowlib.metrics import sliced_wasserstein
 from flowlib.toy2d import eight_gaussian_means, mixture_velocity
 
@@ -98,7 +98,7 @@ def test_cps_needs_a_stochastic_step_and_unknown_methods_are_rejected():
     with pytest.raises(ValueError, match="noise_method must be one of"):
         agent_for("flow_ddim")
     with pytest.raises(ValueError, match="ratio_mode"):
-        reinflow.ReinFlowConfig(ratio_mode="layered")
+        stage3.Stage3Config(ratio_mode="layered")
 
 
 def test_score_from_velocity_matches_the_closed_form_of_a_gaussian():

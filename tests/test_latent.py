@@ -3,7 +3,7 @@ start, PPO moving only the latent policy, and what the config refuses."""
 import pytest
 import torch
 
-from flowlib import reinflow
+from flowlib import ppo, stage3
 from flowlib.latent import LatentSteeringAgent
 from test_reinflow import ACT_DIM, fake_batch, tiny_policy
 
@@ -56,10 +56,10 @@ def test_ppo_moves_the_latent_policy_and_leaves_the_flow_as_it_was():
     o = agent._norm_obs(obs)
     mu, sigma = (x.detach().clone() for x in agent._latent(o))
     assert {id(p) for p in agent.policy_parameters()}.isdisjoint(id(p) for p in agent.actor.parameters())
-    cfg = reinflow.ReinFlowConfig(minibatch_size=5, update_epochs=2, steer="latent")
+    cfg = stage3.Stage3Config(minibatch_size=5, update_epochs=2, steer="latent")
     opt_a = torch.optim.Adam(agent.policy_parameters(), 1e-3)
     opt_c = torch.optim.Adam(agent.value_parameters(), 1e-3)
-    stats = reinflow.ppo_update(agent, fake_batch(agent, obs), opt_a, opt_c, cfg)  # checks ratio == 1 first
+    stats = ppo.ppo_update(agent, fake_batch(agent, obs), opt_a, opt_c, cfg)  # checks ratio == 1 first
     assert stats["policy_steps"] == 2
     assert all(torch.equal(flow[k], v) for k, v in agent.actor.base.state_dict().items())
     assert not torch.allclose(agent._latent(o)[0], mu) and not torch.allclose(agent._latent(o)[1], sigma)
@@ -72,10 +72,10 @@ def test_what_has_no_meaning_for_a_latent_policy_is_refused():
         latent_agent(include_initial_noise=True)
     with pytest.raises(ValueError, match="latent_bound must be > 0"):
         latent_agent(bound=0.0)
-    with pytest.raises(ValueError, match="steer must be one of"):
-        reinflow.ReinFlowConfig(steer="weights")
+    with pytest.raises(ValueError, match="steer .weights. with learner .ppo. is not a stage-3 method"):
+        stage3.Stage3Config(steer="weights")
     with pytest.raises(ValueError, match="cannot branch"):
-        reinflow.ReinFlowConfig(steer="latent", advantage="branch", branches=2)
+        stage3.Stage3Config(steer="latent", advantage="branch", branches=2)
 
 
 def _benchmark():

@@ -6,9 +6,10 @@ import math
 import pytest
 import torch
 
-from flowlib import bc, reinflow
+from flowlib import bc, stage3
 from flowlib.envs import make_env
-from flowlib.latent_sac import LatentSACAgent, ReplayBuffer, optimizers, prior_kl, sac_update
+from flowlib.buffers import ReplayBuffer
+from flowlib.latent_sac import LatentSACAgent, optimizers, prior_kl, sac_update
 from flowlib.tracking import Tracker
 from test_reinflow import ACT_DIM, OBS_DIM, tiny_policy
 
@@ -54,7 +55,7 @@ def test_the_replay_is_a_ring_that_drops_the_oldest_and_saves_what_it_holds():
 
 def test_the_critics_fit_the_smdp_target_and_bootstrap_only_where_told():
     agent, obs = sac_agent()
-    cfg = reinflow.ReinFlowConfig(**SAC, critic_lr=3e-3, sac_tau=1.0)
+    cfg = stage3.Stage3Config(**SAC, critic_lr=3e-3, target_tau=1.0)
     actor_opt, critic_opt = optimizers(agent, cfg)
     latent = torch.randn(5, 16, ACT_DIM, generator=torch.Generator().manual_seed(0))
     reward = torch.tensor([1.0, 0.0, 0.5, 0.2, 0.0])
@@ -82,7 +83,7 @@ def test_the_critics_fit_the_smdp_target_and_bootstrap_only_where_told():
 def test_the_actor_moves_x0_toward_the_latents_that_paid_and_leaves_the_flow_as_it_was():
     agent, obs = sac_agent()
     flow = {k: v.clone() for k, v in agent.actor.base.state_dict().items()}
-    cfg = reinflow.ReinFlowConfig(**SAC, actor_lr=3e-3, critic_lr=3e-3)
+    cfg = stage3.Stage3Config(**SAC, actor_lr=3e-3, critic_lr=3e-3)
     actor_opt, critic_opt = optimizers(agent, cfg)
     gen = torch.Generator().manual_seed(0)
     o = agent._norm_obs(obs)
@@ -110,7 +111,7 @@ def test_alpha_rises_while_the_policy_is_further_from_the_prior_than_its_target_
     agent, obs = sac_agent(init_alpha=0.1)
     with torch.no_grad():
         agent.latent_net[-1].bias.fill_(0.12)  # mu = 2.5 tanh(0.12) ~ 0.3: KL per dim ~ 0.045 + 0.0013 (sigma ~ 0.95)
-    cfg = reinflow.ReinFlowConfig(**SAC, sac_target_kl=target_kl, sac_alpha_lr=1e-2, actor_lr=1e-6)
+    cfg = stage3.Stage3Config(**SAC, sac_target_kl=target_kl, sac_alpha_lr=1e-2, actor_lr=1e-6)
     actor_opt, critic_opt = optimizers(agent, cfg)
     latent = torch.randn(5, 16, ACT_DIM)
     for _ in range(20):
@@ -120,14 +121,14 @@ def test_alpha_rises_while_the_policy_is_further_from_the_prior_than_its_target_
 
 
 def test_the_config_refuses_sac_without_a_latent_policy_and_bad_sac_values():
-    with pytest.raises(ValueError, match="needs steer 'latent'"):
-        reinflow.ReinFlowConfig(learner="sac")
-    with pytest.raises(ValueError, match="learner must be one of"):
-        reinflow.ReinFlowConfig(steer="latent", learner="ddpg")
+    with pytest.raises(ValueError, match="steer 'chain' with learner 'sac' is not a stage-3 method"):
+        stage3.Stage3Config(learner="sac")
+    with pytest.raises(ValueError, match="steer 'latent' with learner 'ddpg' is not a stage-3 method"):
+        stage3.Stage3Config(steer="latent", learner="ddpg")
     with pytest.raises(ValueError, match="must hold at least one batch"):
-        reinflow.ReinFlowConfig(**SAC, sac_buffer_size=10, sac_batch_size=64)
-    with pytest.raises(ValueError, match="sac_tau"):
-        reinflow.ReinFlowConfig(**SAC, sac_tau=0.0)
+        stage3.Stage3Config(**SAC, replay_size=10, replay_batch_size=64)
+    with pytest.raises(ValueError, match="target_tau"):
+        stage3.Stage3Config(**SAC, target_tau=0.0)
 
 
 def test_sac_runs_in_a_real_pickcube_env_and_resumes_with_its_replay(tmp_path):
@@ -135,36 +136,36 @@ def test_sac_runs_in_a_real_pickcube_env_and_resumes_with_its_replay(tmp_path):
     path = tmp_path / "stage1.pt"
     bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
     per_iter = 3 * 2 * 8  # 2 envs x 3 decisions x 8 actions
-    cfg = reinflow.ReinFlowConfig(init_checkpoint=str(path), num_inference_steps=4, rollout_steps=3, max_episode_steps=20,
-                                  total_env_steps=2 * per_iter, critic_warmup_steps=per_iter, sac_batch_size=4,
-                                  sac_updates_per_decision=0.5, eval_every=1, num_eval_episodes=2, **SAC)
+    cfg = stage3.Stage3Config(init_checkpoint=str(path), num_inference_steps=4, rollout_steps=3, max_episode_steps=20,
+                                  total_env_steps=2 * per_iter, critic_warmup_steps=per_iter, replay_batch_size=4,
+                                  replay_updates_per_decision=0.5, eval_every=1, num_eval_episodes=2, **SAC)
     run = tmp_path / "run"
     with make_env("PickCube-v1", 2, max_episode_steps=20) as env:
-        agent, _ = reinflow.build_agent(cfg, reinflow.init_checkpoint_path(cfg), env.spec)
+        agent, _ = stage3.build_agent(cfg, stage3.init_checkpoint_path(cfg), env.spec)
         assert isinstance(agent, LatentSACAgent)
         before = [p.clone() for p in agent.policy_parameters()]
         tracker = Tracker(run)
-        out = reinflow.train(cfg, agent, env, run, tracker)
+        out = stage3.train(cfg, agent, env, run, tracker)
         rows = tracker.rows
         assert out["env_steps"] == 2 * per_iter and [r["critic_warmup"] for r in rows] == [1.0, 0.0]
         assert [r["updates"] for r in rows] == [3, 3] and [r["buffer"] for r in rows] == [6, 12]
         assert "policy_loss" not in rows[0] and {"policy_loss", "value_loss", "q", "alpha", "noise_std",
                                                  "eval/success_once"} <= set(rows[0]) | set(rows[1])
         assert any(not torch.equal(a, b.cpu()) for a, b in zip(before, agent.policy_parameters()))  # on a GPU, moved
-        ckpt = reinflow.read_agent_checkpoint(run / "last.pt")
+        ckpt = stage3.read_agent_checkpoint(run / "last.pt")
         assert ckpt["replay"]["size"] == 12
         # a longer budget under the same name goes on from last.pt, with the 12 decisions it had
-        longer = reinflow.checkpoint_config(ckpt, {"total_env_steps": 3 * per_iter})
-        agent2, _ = reinflow.build_agent(longer, reinflow.init_checkpoint_path(longer), env.spec)
-        out2 = reinflow.train(longer, agent2, env, run, Tracker(run))
+        longer = stage3.checkpoint_config(ckpt, {"total_env_steps": 3 * per_iter})
+        agent2, _ = stage3.build_agent(longer, stage3.init_checkpoint_path(longer), env.spec)
+        out2 = stage3.train(longer, agent2, env, run, Tracker(run))
         assert out2["env_steps"] == 3 * per_iter
-        assert reinflow.read_agent_checkpoint(run / "last.pt")["replay"]["size"] == 18
+        assert stage3.read_agent_checkpoint(run / "last.pt")["replay"]["size"] == 18
         # a PPO run cannot resume from it
-        ppo = reinflow.checkpoint_config(ckpt, {"learner": "ppo", "total_env_steps": 4 * per_iter})
+        ppo = stage3.checkpoint_config(ckpt, {"learner": "ppo", "total_env_steps": 4 * per_iter})
         with pytest.raises(ValueError, match="use another run_name"):
-            reinflow.train(ppo, reinflow.build_agent(ppo, path, env.spec)[0], env, run)
+            stage3.train(ppo, stage3.build_agent(ppo, path, env.spec)[0], env, run)
     # stage 3's loader and the deterministic policy: x_0 = mu(o), the same after a reload
-    reloaded = reinflow.load_agent(run / "last.pt")
+    reloaded = stage3.load_agent(run / "last.pt")
     assert isinstance(reloaded, LatentSACAgent)
     window = torch.randn(3, 2, OBS_DIM)
     assert torch.equal(reloaded.act(window), agent2.eval().cpu().act(window))  # trained on the GPU if any

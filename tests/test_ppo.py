@@ -3,7 +3,7 @@ Huber value clipping, the two ratio formulations, and the critic on the velocity
 import pytest
 import torch
 
-from flowlib import ppo, reinflow
+from flowlib import ppo, reinflow, stage3
 
 from test_flow_sde import agent_for
 
@@ -100,7 +100,7 @@ def batch_of(agent, obs):
 
 
 def one_update(agent, batch, **cfg_kw):
-    cfg = reinflow.ReinFlowConfig(minibatch_size=len(batch["obs"]), update_epochs=1, norm_adv=False, **cfg_kw)
+    cfg = stage3.Stage3Config(minibatch_size=len(batch["obs"]), update_epochs=1, norm_adv=False, **cfg_kw)
     opt_a = torch.optim.SGD(agent.policy_parameters(), 1e-2)
     opt_c = torch.optim.SGD(agent.value_parameters(), 1e-2)
     return ppo.ppo_update(agent, batch, opt_a, opt_c, cfg)
@@ -152,7 +152,7 @@ def bandit_fine_tune(method, sign=1.0, iterations=20):
     agent, obs = agent_for(method, log_prob_over="executed")
     obs = obs.repeat(4, 1, 1)                                                # [24, To, O]
     reward = lambda chain: -((agent.actions(chain) - 0.5) ** 2).mean((1, 2))  # [B]
-    cfg = reinflow.ReinFlowConfig(minibatch_size=len(obs), update_epochs=4, ent_coef=0.0)
+    cfg = stage3.Stage3Config(minibatch_size=len(obs), update_epochs=4, ent_coef=0.0)
     opt_a = torch.optim.Adam(agent.policy_parameters(), 3e-3)
     opt_c = torch.optim.Adam(agent.value_parameters(), 1e-2)
     gen = torch.Generator().manual_seed(1)
@@ -185,7 +185,7 @@ def test_kl_stop_policy_freezes_the_policy_where_all_stops_and_keeps_fitting_the
     for mode in ("all", "policy"):
         agent, obs = agent_for("reinflow")
         batch = batch_of(agent, obs)                                          # 6 decisions
-        cfg = reinflow.ReinFlowConfig(minibatch_size=3, update_epochs=3, norm_adv=False, target_kl=1e-12, kl_stop=mode)
+        cfg = stage3.Stage3Config(minibatch_size=3, update_epochs=3, norm_adv=False, target_kl=1e-12, kl_stop=mode)
         opt_a = torch.optim.SGD(agent.policy_parameters(), 1e-1)
         opt_c = torch.optim.SGD(agent.value_parameters(), 1e-2)
         value_before = torch.nn.functional.mse_loss(agent.value(obs), batch["returns"]).item()
@@ -200,7 +200,7 @@ def test_kl_stop_policy_freezes_the_policy_where_all_stops_and_keeps_fitting_the
     assert all(torch.equal(a, b) for a, b in zip(pol_all, pol_pol))         # same policy steps, then frozen
     assert v_pol < v_all < v0                                                 # 6 value steps beat 2
     with pytest.raises(ValueError, match="kl_stop must be 'all' or 'policy'"):
-        reinflow.ReinFlowConfig(kl_stop="value")
+        stage3.Stage3Config(kl_stop="value")
 
 
 def test_policy_epochs_moves_the_policy_in_the_first_epochs_only_and_the_value_in_all():
@@ -210,7 +210,7 @@ def test_policy_epochs_moves_the_policy_in_the_first_epochs_only_and_the_value_i
     for epochs, policy_epochs in ((1, 0), (3, 1), (3, 0)):
         agent, obs = agent_for("reinflow")
         batch = batch_of(agent, obs)                                          # 6 decisions
-        cfg = reinflow.ReinFlowConfig(minibatch_size=3, update_epochs=epochs, policy_epochs=policy_epochs,
+        cfg = stage3.Stage3Config(minibatch_size=3, update_epochs=epochs, policy_epochs=policy_epochs,
                                       norm_adv=False)
         opt_a = torch.optim.SGD(agent.policy_parameters(), 1e-1)
         opt_c = torch.optim.SGD(agent.value_parameters(), 1e-2)
@@ -223,7 +223,7 @@ def test_policy_epochs_moves_the_policy_in_the_first_epochs_only_and_the_value_i
     assert not all(torch.equal(a, b) for a, b in zip(one, every))            # three epochs move it further
     assert v_split < v_one                                                   # 6 value steps beat 2
     with pytest.raises(ValueError, match="policy_epochs must be in"):
-        reinflow.ReinFlowConfig(update_epochs=2, policy_epochs=3)
+        stage3.Stage3Config(update_epochs=2, policy_epochs=3)
 
 
 def test_policy_gradient_is_the_first_ppo_step():
@@ -277,7 +277,7 @@ def test_micro_batches_give_the_same_update_as_one_pass(ratio_mode, hybrid):
     for micro in (0, 2):
         agent, obs = agent_for("flow_sde", hybrid=hybrid)
         batch = batch_of(agent, obs) | {"weights": torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0])}  # 6 decisions
-        cfg = reinflow.ReinFlowConfig(minibatch_size=6, micro_batch_size=micro, update_epochs=3, ratio_mode=ratio_mode)
+        cfg = stage3.Stage3Config(minibatch_size=6, micro_batch_size=micro, update_epochs=3, ratio_mode=ratio_mode)
         opt_a = torch.optim.SGD(agent.policy_parameters(), 1e-1)
         opt_c = torch.optim.SGD(agent.value_parameters(), 1e-2)
         stats = ppo.ppo_update(agent, batch, opt_a, opt_c, cfg, generator=torch.Generator().manual_seed(0))
@@ -288,4 +288,4 @@ def test_micro_batches_give_the_same_update_as_one_pass(ratio_mode, hybrid):
     for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac"):
         assert s_sliced[k] == pytest.approx(s_whole[k], rel=1e-4, abs=1e-6), k
     with pytest.raises(ValueError, match="'micro_batch_size' = -1: should be greater than or equal to 0"):
-        reinflow.ReinFlowConfig(micro_batch_size=-1)
+        stage3.Stage3Config(micro_batch_size=-1)

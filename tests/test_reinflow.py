@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from flowlib import bc, evaluate, reinflow, reinflow_agent, smdp
+from flowlib import bc, evaluate, loop, ppo, reinflow, reinflow_agent, smdp, stage3
 from flowlib.config import ConfigError
 from flowlib.data import ChunkDataset, Episode
 from flowlib.envs import make_env
@@ -134,7 +134,7 @@ def test_chunk_correlated_noise_is_drawn_and_scored_as_one_multivariate_normal(l
     assert torch.allclose(log_prob.double(), expected, rtol=1e-4, atol=1e-2)
     assert torch.allclose(rescored, log_prob, rtol=1e-5, atol=1e-3)
     with pytest.raises(ValueError, match="noise_corr must be in"):
-        reinflow.ReinFlowConfig(noise_corr=1.0)
+        stage3.Stage3Config(noise_corr=1.0)
 
 
 def test_noise_std_stays_in_its_bounds_and_follows_the_max():
@@ -175,16 +175,16 @@ def test_act_runs_the_noisy_chain_while_explore_is_set():
 
 def test_rescoring_on_another_time_grid_is_caught_by_the_ratio_check(monkeypatch):
     agent, obs = tiny_agent()
-    cfg = reinflow.ReinFlowConfig(minibatch_size=4, update_epochs=1)
+    cfg = stage3.Stage3Config(minibatch_size=4, update_epochs=1)
     batch = fake_batch(agent, obs)
     opt_a = torch.optim.Adam(agent.policy_parameters(), 1e-4)
     opt_c = torch.optim.Adam(agent.value_parameters(), 1e-4)
-    reinflow.ppo_update(agent, batch, opt_a, opt_c, cfg)  # same grid: ratio == 1, no error
+    ppo.ppo_update(agent, batch, opt_a, opt_c, cfg)  # same grid: ratio == 1, no error
     batch = fake_batch(agent, obs)
     shifted = lambda K, device=None: torch.linspace(0, 1 - 1 / K, K + 1, device=device)  # the public bug
     monkeypatch.setattr(reinflow_agent, "time_grid", shifted)
     with pytest.raises(RuntimeError, match="ratio .* before any update"):
-        reinflow.ppo_update(agent, batch, opt_a, opt_c, cfg)
+        ppo.ppo_update(agent, batch, opt_a, opt_c, cfg)
 
 
 def fake_batch(agent, obs):
@@ -199,48 +199,48 @@ def test_critic_warmup_leaves_the_policy_unchanged_and_trains_the_value():
     agent, obs = tiny_agent()
     before = {k: v.clone() for k, v in agent.actor.state_dict().items()}
     value_before = [p.clone() for p in agent.value_parameters()]
-    cfg = reinflow.ReinFlowConfig(minibatch_size=5, update_epochs=2)
+    cfg = stage3.Stage3Config(minibatch_size=5, update_epochs=2)
     opt_a = torch.optim.Adam(agent.policy_parameters(), 1e-3)
     opt_c = torch.optim.Adam(agent.value_parameters(), 1e-3)
-    stats = reinflow.ppo_update(agent, fake_batch(agent, obs), opt_a, opt_c, cfg, train_policy=False)
+    stats = ppo.ppo_update(agent, fake_batch(agent, obs), opt_a, opt_c, cfg, train_policy=False)
     assert all(torch.equal(before[k], v) for k, v in agent.actor.state_dict().items())
     assert any(not torch.equal(a, b) for a, b in zip(value_before, agent.value_parameters()))
     assert "policy_loss" not in stats and stats["value_loss"] > 0
-    reinflow.ppo_update(agent, fake_batch(agent, obs), opt_a, opt_c, cfg, train_policy=True)
+    ppo.ppo_update(agent, fake_batch(agent, obs), opt_a, opt_c, cfg, train_policy=True)
     assert any(not torch.equal(before[k], v) for k, v in agent.actor.state_dict().items())
 
 
 @pytest.mark.parametrize("freeze", [True, False])
 def test_a_frozen_obs_encoder_stays_as_stage_1_left_it_while_ppo_moves_the_rest_of_the_net(freeze):
     policy, dataset = tiny_policy(obs_emb_dim=8)
-    cfg = reinflow.ReinFlowConfig(num_inference_steps=4, value_hidden_dims=[16], minibatch_size=5, update_epochs=2,
+    cfg = stage3.Stage3Config(num_inference_steps=4, value_hidden_dims=[16], minibatch_size=5, update_epochs=2,
                                   freeze_obs_encoder=freeze)
-    agent = reinflow._agent(policy, cfg)
+    agent = stage3.make_agent(policy, cfg)
     obs = torch.stack([dataset[i][0] for i in range(5)])
     encoder, rest = agent.actor.base.obs_encoder, agent.actor.base.down
     assert {id(p) for p in encoder.parameters()}.isdisjoint(map(id, agent.policy_parameters())) is freeze
     before = [p.clone() for p in (*encoder.parameters(), *rest.parameters())]
     opt_a = torch.optim.Adam(agent.policy_parameters(), 1e-3)
     opt_c = torch.optim.Adam(agent.value_parameters(), 1e-3)
-    reinflow.ppo_update(agent, fake_batch(agent, obs), opt_a, opt_c, cfg)
+    ppo.ppo_update(agent, fake_batch(agent, obs), opt_a, opt_c, cfg)
     n = len(list(encoder.parameters()))
     moved = [not torch.equal(a, b) for a, b in zip(before, (*encoder.parameters(), *rest.parameters()))]
     assert any(moved[:n]) is not freeze and any(moved[n:])  # unfrozen, PPO moves the encoder too
 
 
 def test_freezing_an_obs_encoder_that_is_not_there_is_a_clear_error(tmp_path):
-    cfg = reinflow.ReinFlowConfig(num_inference_steps=4, freeze_obs_encoder=True)
+    cfg = stage3.Stage3Config(num_inference_steps=4, freeze_obs_encoder=True)
     with pytest.raises(ValueError, match="needs a velocity net with an obs_encoder.*obs_emb_dim > 0"):
-        reinflow._agent(tiny_policy()[0], cfg)
+        stage3.make_agent(tiny_policy()[0], cfg)
     path = tmp_path / "stage1.pt"  # and before a run starts, from its start checkpoint
     bc.save_checkpoint(path, tiny_policy()[0], None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
-    problem = reinflow.start_problem(dataclasses.replace(cfg, init_checkpoint=str(path)))
+    problem = stage3.start_problem(dataclasses.replace(cfg, init_checkpoint=str(path)))
     assert "has no obs_encoder" in problem and "-p obs_emb_dim=64" in problem
     with_encoder = tmp_path / "stage1_enc.pt"
     bc.save_checkpoint(with_encoder, tiny_policy(obs_emb_dim=8)[0], None, None, 0, bc.ShortCutBCConfig(), {})
-    assert reinflow.start_problem(dataclasses.replace(cfg, init_checkpoint=str(with_encoder))) == ""
-    with pytest.raises(ValueError, match="freeze_obs_encoder applies to steer 'chain'"):
-        reinflow.ReinFlowConfig(steer="latent", freeze_obs_encoder=True)
+    assert stage3.start_problem(dataclasses.replace(cfg, init_checkpoint=str(with_encoder))) == ""
+    with pytest.raises(ValueError, match="steer 'latent' with learner 'ppo' does not read freeze_obs_encoder .ChainConfig"):
+        stage3.Stage3Config(steer="latent", freeze_obs_encoder=True)
 
 
 def test_gae_matches_a_hand_worked_example_with_a_termination_and_a_truncation():
@@ -252,7 +252,7 @@ def test_gae_matches_a_hand_worked_example_with_a_termination_and_a_truncation()
     disc = torch.tensor([[g ** 8], [g ** 3], [g ** 8], [g ** 8]])
     terminal = torch.tensor([[False], [True], [False], [False]])
     ends = torch.tensor([[False], [True], [False], [True]])
-    adv, ret = reinflow.gae(R, V, next_V, disc, terminal, ends, lam)
+    adv, ret = ppo.gae(R, V, next_V, disc, terminal, ends, lam)
     d3 = 1.5 + g ** 8 * 7.0 - 40.0                 # truncation bootstraps from V(last obs)
     d2 = 0.5 + g ** 8 * 40.0 - 30.0
     d1 = 2.0 - 20.0                                  # termination: no bootstrap
@@ -271,27 +271,27 @@ def test_gae_matches_a_hand_worked_example_with_a_termination_and_a_truncation()
     ("exp", (0.3, 0.01 + 0.29 * math.exp(-1.5), 0.01 + 0.29 * math.exp(-3))),
 ])
 def test_noise_schedules_at_start_half_and_end(kind, expected):
-    got = [reinflow.noise_schedule(kind, p, 0.3, 0.01) for p in (0.0, 0.5, 1.0)]
+    got = [loop.noise_schedule(kind, p, 0.3, 0.01) for p in (0.0, 0.5, 1.0)]
     assert got == pytest.approx(expected)
-    assert reinflow.noise_schedule(kind, 2.0, 0.3, 0.01) == pytest.approx(expected[2])  # past the end: held
+    assert loop.noise_schedule(kind, 2.0, 0.3, 0.01) == pytest.approx(expected[2])  # past the end: held
     with pytest.raises(ValueError, match="noise schedule"):
-        reinflow.noise_schedule("cosine", 0.5, 0.3, 0.01)
+        loop.noise_schedule("cosine", 0.5, 0.3, 0.01)
 
 
 def test_config_rejects_bad_values():
     with pytest.raises(ValueError, match="noise_schedule"):
-        reinflow.ReinFlowConfig(noise_schedule="cosine")
+        stage3.Stage3Config(noise_schedule="cosine")
     with pytest.raises(ValueError, match="min_noise_std"):
-        reinflow.ReinFlowConfig(min_noise_std=0.5, max_noise_std=0.3)
+        stage3.Stage3Config(min_noise_std=0.5, max_noise_std=0.3)
     with pytest.raises(ValueError, match="val_seed .* overlap"):
-        reinflow.ReinFlowConfig(val_seed=20_000 - 10, num_eval_episodes=48)
+        stage3.Stage3Config(val_seed=20_000 - 10, num_eval_episodes=48)
     with pytest.raises(ValueError, match="'act_horizon' = -1: should be greater than or equal to 0"):
-        reinflow.ReinFlowConfig(act_horizon=-1)
+        stage3.Stage3Config(act_horizon=-1)
     with pytest.raises(ValueError, match="actor_optimizer must be 'adam' or 'sgd'"):
-        reinflow.ReinFlowConfig(actor_optimizer="rmsprop")
+        stage3.Stage3Config(actor_optimizer="rmsprop")
     for wrong in ({"advantage": "branch"}, {"branches": 2}):  # one without the other
         with pytest.raises(ValueError, match="advantage 'branch' goes with branches >= 2"):
-            reinflow.ReinFlowConfig(**wrong)
+            stage3.Stage3Config(**wrong)
 
 
 def test_observations_far_outside_the_demonstrations_are_clipped_before_the_nets():
@@ -307,27 +307,27 @@ def test_observations_far_outside_the_demonstrations_are_clipped_before_the_nets
         agent.obs_clip = 0.0  # off: the nets see the 1000 std
         assert not torch.allclose(agent.value(far), agent.value(edge))
     with pytest.raises(ValueError, match="'obs_clip' = -1.0: should be greater than or equal to 0"):
-        reinflow.ReinFlowConfig(obs_clip=-1.0)
+        stage3.Stage3Config(obs_clip=-1.0)
 
 
 def test_a_checkpoint_loads_as_it_ran_unclipped_from_before_obs_clip_and_takes_checked_overrides(tmp_path):
     policy, _ = tiny_policy()
-    cfg = reinflow.ReinFlowConfig(num_inference_steps=4, value_hidden_dims=[16])
-    agent = reinflow._agent(policy, cfg)
+    cfg = stage3.Stage3Config(num_inference_steps=4, value_hidden_dims=[16])
+    agent = stage3.make_agent(policy, cfg)
     config = dataclasses.asdict(cfg)
     del config["obs_clip"]
     path = tmp_path / "old.pt"
-    torch.save({"format": reinflow.CHECKPOINT_FORMAT, "meta": agent.meta, "config": config,
+    torch.save({"format": loop.CHECKPOINT_FORMAT, "meta": agent.meta, "config": config,
                 "agent": agent.state_dict()}, path)
-    assert reinflow.load_agent(path).obs_clip == 0.0
+    assert stage3.load_agent(path).obs_clip == 0.0
     config["obs_clip"] = 5.0
-    torch.save({"format": reinflow.CHECKPOINT_FORMAT, "meta": agent.meta, "config": config,
+    torch.save({"format": loop.CHECKPOINT_FORMAT, "meta": agent.meta, "config": config,
                 "agent": agent.state_dict()}, path)
-    assert reinflow.load_agent(path).obs_clip == 5.0
+    assert stage3.load_agent(path).obs_clip == 5.0
     # the same weights, sampled and scored another way; a misspelt key names the right one
-    assert reinflow.load_agent(path, {"noise_corr": 0.9}).noise_corr == 0.9
+    assert stage3.load_agent(path, {"noise_corr": 0.9}).noise_corr == 0.9
     with pytest.raises(ConfigError, match="did you mean 'noise_corr'"):
-        reinflow.load_agent(path, {"noise_cor": 0.9})
+        stage3.load_agent(path, {"noise_cor": 0.9})
 
 
 def test_chain_of_wrong_shape_is_rejected():
@@ -352,7 +352,7 @@ BRANCH = {"advantage": "branch", "branches": 2, "reward": "dense", "success_bonu
 LATENT = {"steer": "latent", "max_noise_std": 1.0, "final_noise_std": 1.0, "latent_hidden_dims": [16]}
 
 
-RESIDUAL = {"steer": "residual", "residual_per": "chunk", "reward": "shaped", "latent_hidden_dims": [16]}
+RESIDUAL = {"steer": "residual", "residual_per": "chunk", "reward": "shaped", "residual_hidden_dims": [16]}
 
 
 FROZEN = {"freeze_obs_encoder": True}  # from a stage-1 policy with an obs_encoder (obs_emb_dim 8)
@@ -371,18 +371,18 @@ def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, 
     # GRPO runs one 20-step episode per env per iteration: ceil(20 / 4) = 5 decisions of 4 actions
     Ta = options.get("act_horizon", 8)
     per_iter = (3 if Ta == 8 else 5) * 2 * Ta * options.get("branches", 1)  # every branch's env steps count
-    cfg = reinflow.ReinFlowConfig(init_checkpoint=str(path), num_inference_steps=4, rollout_steps=3, update_epochs=2,
+    cfg = stage3.Stage3Config(init_checkpoint=str(path), num_inference_steps=4, rollout_steps=3, update_epochs=2,
                                   minibatch_size=4, total_env_steps=2 * per_iter, critic_warmup_steps=0,
                                   max_episode_steps=20, eval_every=1, num_eval_episodes=2, value_hidden_dims=[16],
                                   **options)
     with make_env("PickCube-v1", 2, max_episode_steps=20) as env:
-        agent, how = reinflow.build_agent(cfg, reinflow.init_checkpoint_path(cfg), env.spec)
+        agent, how = stage3.build_agent(cfg, stage3.init_checkpoint_path(cfg), env.spec)
         assert how == "fresh"
         before = [p.clone() for p in agent.policy_parameters()]
         encoder = agent.actor.base.obs_encoder.state_dict() if frozen else {}
         encoder = {k: v.clone() for k, v in encoder.items()}
         tracker = Tracker(tmp_path / "run")
-        out = reinflow.train(cfg, agent, env, tmp_path / "run", tracker)
+        out = stage3.train(cfg, agent, env, tmp_path / "run", tracker)
     rows = tracker.rows
     assert out["iterations"] == 2 and len(rows) == 2 and out["env_steps"] == 2 * per_iter
     assert {"policy_loss", "value_loss", "approx_kl", "clip_frac", "explained_variance", "noise_std",
@@ -392,10 +392,10 @@ def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, 
     assert {"train/is_grasped_once", "train/is_obj_placed_once", "eval/is_grasped_once"} <= set(rows[0])
     assert eval_seeds == [cfg.val_seed]  # after iteration 1 (not after the last one)
     assert any(not torch.equal(a, b.cpu()) for a, b in zip(before, agent.policy_parameters()))  # on a GPU, moved
-    ckpt = reinflow.read_agent_checkpoint(tmp_path / "run" / "last.pt")
+    ckpt = stage3.read_agent_checkpoint(tmp_path / "run" / "last.pt")
     assert ckpt["iteration"] == 2 and ckpt["env_steps"] == 2 * per_iter
     assert bool(ckpt["actor_opt"]["state"]) is (cfg.actor_optimizer == "adam")  # plain SGD keeps no moments
-    reloaded = reinflow.load_agent(tmp_path / "run" / "last.pt")
+    reloaded = stage3.load_agent(tmp_path / "run" / "last.pt")
     assert reloaded.act_horizon == agent.act_horizon == Ta  # the override travels with the checkpoint
     for k, v in encoder.items():  # frozen: the encoder of the run and of its checkpoint is stage 1's
         assert torch.equal(agent.actor.base.obs_encoder.state_dict()[k].cpu(), v.cpu())
@@ -403,8 +403,8 @@ def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, 
     window = torch.randn(3, 2, OBS_DIM)
     assert torch.equal(reloaded.act(window, generator=torch.Generator().manual_seed(0)),
                        agent.cpu().act(window, generator=torch.Generator().manual_seed(0)))  # trained on the GPU if any
-    with pytest.raises(ValueError, match="not a ReinFlow checkpoint"):
-        reinflow.read_agent_checkpoint(path)
+    with pytest.raises(ValueError, match="not a stage-3 checkpoint"):
+        stage3.read_agent_checkpoint(path)
     # the gradient-SNR benchmark on this checkpoint, 2 rollouts x 2 envs = 4 independent units, over what PPO moves
     if frozen or not options:
         monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "outputs"))
@@ -492,6 +492,6 @@ def test_critic_warmup_covers_the_first_n_env_steps_in_whole_iterations(per_iter
     """ceil(N / steps per iteration) value-only iterations: the policy learns from none of the first N
     env steps, and a warm-up shorter than one iteration is one iteration, not none."""
     for n, expected in zip([0, 2000, 4096, 5000, 10000], counts):
-        cfg = reinflow.ReinFlowConfig(critic_warmup_steps=n)
-        warm = [reinflow.in_critic_warmup(i * per_iteration, cfg) for i in range(6)]
+        cfg = stage3.Stage3Config(critic_warmup_steps=n)
+        warm = [loop.in_critic_warmup(i * per_iteration, cfg) for i in range(6)]
         assert warm == [True] * expected + [False] * (6 - expected), (n, per_iteration)

@@ -3,7 +3,7 @@ policy at the start, PPO moving only the residual policy, and what is refused.""
 import pytest
 import torch
 
-from flowlib import reinflow
+from flowlib import ppo, stage3
 from flowlib.residual import ResidualAgent
 from test_reinflow import ACT_DIM, fake_batch, tiny_policy
 from test_residual_step import load_benchmark
@@ -69,10 +69,10 @@ def test_ppo_moves_the_residual_policy_and_leaves_the_flow_as_it_was():
     base = agent._executed(agent.sample(obs, deterministic=True, x0=x0)[0][:, -1])
     o = agent._norm_obs(obs)
     mu, sigma = (x.detach().clone() for x in agent._residual(o, base))
-    cfg = reinflow.ReinFlowConfig(minibatch_size=5, update_epochs=2, steer="residual")
+    cfg = stage3.Stage3Config(minibatch_size=5, update_epochs=2, steer="residual")
     opt_a = torch.optim.Adam(agent.policy_parameters(), 1e-3)
     opt_c = torch.optim.Adam(agent.value_parameters(), 1e-3)
-    stats = reinflow.ppo_update(agent, fake_batch(agent, obs), opt_a, opt_c, cfg)  # checks ratio == 1 first
+    stats = ppo.ppo_update(agent, fake_batch(agent, obs), opt_a, opt_c, cfg)  # checks ratio == 1 first
     assert stats["policy_steps"] == 2
     assert all(torch.equal(flow[k], v) for k, v in agent.actor.base.state_dict().items())
     assert not torch.allclose(agent._residual(o, base)[0], mu) and not torch.allclose(agent._residual(o, base)[1], sigma)
@@ -84,15 +84,15 @@ def test_what_has_no_meaning_for_a_residual_policy_is_refused():
     with pytest.raises(ValueError, match="residual_bound must be > 0"):
         residual_agent(bound=0.0)
     with pytest.raises(ValueError, match="'residual_bound' = -1.0: should be greater than 0"):
-        reinflow.ReinFlowConfig(steer="residual", residual_bound=-1.0)
+        stage3.Stage3Config(steer="residual", residual_bound=-1.0)
     with pytest.raises(ValueError, match="residual_per must be one of"):
         residual_agent(residual_per="step")
     with pytest.raises(ValueError, match="residual_per must be one of"):
-        reinflow.ReinFlowConfig(steer="residual", residual_per="step")
+        stage3.Stage3Config(steer="residual", residual_per="step")
     with pytest.raises(ValueError, match="steer 'residual' cannot branch"):
-        reinflow.ReinFlowConfig(steer="residual", advantage="branch", branches=2)
-    with pytest.raises(ValueError, match="learner 'sac' .* needs steer 'latent'"):
-        reinflow.ReinFlowConfig(steer="residual", learner="sac")
+        stage3.Stage3Config(steer="residual", advantage="branch", branches=2)
+    with pytest.raises(ValueError, match="steer 'residual' with learner 'sac' is not a stage-3 method"):
+        stage3.Stage3Config(steer="residual", learner="sac")
 
 
 def test_the_residual_mean_benchmark_reads_mu_per_action_dim():
@@ -134,5 +134,5 @@ def test_with_the_gripper_left_to_the_base_r_has_the_arm_dims_only(per):
     expected = torch.distributions.Normal(mu, sigma).log_prob(r).flatten(1).sum(1)      # n x (A - 1) dims
     assert torch.allclose(log_prob, expected, atol=1e-4)
     assert torch.allclose(agent.log_prob(obs, chain, stochastic)[0], log_prob, atol=1e-4)  # PPO's ratio is 1
-    cfg = reinflow.ReinFlowConfig(steer="residual", residual_per=per, residual_gripper=False)
-    assert not reinflow._agent(policy, cfg).correct_gripper                               # the config's way in
+    cfg = stage3.Stage3Config(steer="residual", residual_per=per, residual_gripper=False)
+    assert not stage3.make_agent(policy, cfg).correct_gripper                               # the config's way in

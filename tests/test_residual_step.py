@@ -10,18 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowlib import bc, reinflow, smdp
+from flowlib import bc, reinflow, smdp, stage3
 from flowlib.envs import make_env
 from flowlib.nets import frozen, mlp
 from flowlib.flow_sde import LOG_2PI
 from flowlib.ppo import ppo_update
-from flowlib.residual_step import (NStepReturns, StepCollector, StepResidualAgent, StepResidualPPOAgent, actor_lr,
-                                   optimizers, replay_buffer, td3_update)
+from flowlib.residual_step import NStepReturns, StepCollector, StepResidualAgent, StepResidualPPOAgent
+from flowlib.residual_td3 import actor_lr, optimizers, replay_buffer, td3_update
 from flowlib.tracking import Tracker
 from test_reinflow import ACT_DIM, OBS_DIM, tiny_policy
 
 TD3 = {"steer": "residual_step", "learner": "td3", "reward": "shaped", "max_noise_std": 0.05, "final_noise_std": 0.05,
-       "min_noise_std": 0.005, "latent_hidden_dims": [16], "value_hidden_dims": [32, 32]}
+       "min_noise_std": 0.005, "residual_hidden_dims": [16], "value_hidden_dims": [32, 32]}
 
 
 def load_benchmark(name: str):
@@ -55,7 +55,7 @@ def test_at_the_start_the_policy_is_the_stage1_policy_and_the_correction_is_zero
 
 def test_the_critics_fit_the_td3_target():
     agent, obs, _ = step_agent()
-    cfg = reinflow.ReinFlowConfig(**{k: v for k, v in TD3.items() if k != "reward"}, td3_target_noise=0.0, sac_tau=1e-4)
+    cfg = stage3.Stage3Config(**{k: v for k, v in TD3.items() if k != "reward"}, td3_target_noise=0.0, target_tau=1e-4)
     with torch.no_grad():  # a residual actor away from zero, so the target's mu_bar(s') matters
         agent.residual_target[-1].bias.normal_(0, 1.0)
     g = torch.Generator().manual_seed(0)
@@ -78,7 +78,7 @@ def test_the_critics_fit_the_td3_target():
     # Q_bar follows Q in critic-only steps too (a warm-up against a target frozen at its random start fits noise),
     # while mu_bar waits for the actor
     actor_target = [p.clone() for p in agent.residual_target.parameters()]
-    td3_update(agent, batch, actor_opt, critic_opt, dataclasses.replace(cfg, sac_tau=1.0), train_policy=False)
+    td3_update(agent, batch, actor_opt, critic_opt, dataclasses.replace(cfg, target_tau=1.0), train_policy=False)
     assert all(torch.equal(a, b) for a, b in zip(agent.q.parameters(), agent.q_target.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(actor_target, agent.residual_target.parameters()))
 
@@ -100,8 +100,8 @@ def test_the_polyak_step_moves_every_target_tensor_a_fraction_tau_of_the_way_and
 
 def test_the_actor_moves_to_the_correction_that_pays_and_leaves_the_flow_as_it_was():
     agent, obs, _ = step_agent(bound=0.5)
-    cfg = reinflow.ReinFlowConfig(**{k: v for k, v in TD3.items() if k != "reward"}, actor_lr=1e-3, critic_lr=3e-3,
-                                  sac_tau=0.05)
+    cfg = stage3.Stage3Config(**{k: v for k, v in TD3.items() if k != "reward"}, actor_lr=1e-3, critic_lr=3e-3,
+                                  target_tau=0.05)
     flow = [p.clone() for p in agent.actor.base.parameters()]
     best = torch.tensor([0.3, -0.2, 0.1, 0.0])  # a one-step bandit: reward -|r - best|^2, no bootstrap
     g = torch.Generator().manual_seed(0)
@@ -122,7 +122,7 @@ def test_the_actor_moves_to_the_correction_that_pays_and_leaves_the_flow_as_it_w
 
 def test_the_actor_follows_the_gradient_of_q1_alone_and_leaves_the_critics_gradients_as_their_own_loss_left_them():
     agent, obs, _ = step_agent(bound=0.5)
-    cfg = reinflow.ReinFlowConfig(**{k: v for k, v in TD3.items() if k != "reward"}, td3_target_noise=0.0,
+    cfg = stage3.Stage3Config(**{k: v for k, v in TD3.items() if k != "reward"}, td3_target_noise=0.0,
                                   max_grad_norm=1e6)  # no clipping: the raw gradients are compared
     with torch.no_grad():  # an actor and critics away from their start, so that every gradient is non-zero
         agent.residual_net[-1].weight.normal_(0, 0.3)
@@ -197,7 +197,7 @@ def test_n_step_returns_sum_rewards_up_to_n_steps_or_the_episode_end():
     with pytest.raises(ValueError, match="td3_n_step must be >= 1"):
         NStepReturns(0)
     with pytest.raises(ValueError, match="'td3_n_step' = 0: should be greater than 0"):
-        reinflow.ReinFlowConfig(steer="residual_step", learner="td3", td3_n_step=0)
+        stage3.Stage3Config(steer="residual_step", learner="td3", td3_n_step=0)
 
 
 @pytest.mark.parametrize("n", [1, 3, 8])
@@ -235,9 +235,9 @@ def test_without_the_gripper_the_residual_its_noise_and_its_target_smoothing_lea
     agent.explore = torch.Generator().manual_seed(1)
     moved = agent.action_normalizer.normalize(agent.correct_step(obs, a)) - agent.action_normalizer.normalize(a)
     assert (moved[:, :-1].abs() > 0.1).all() and torch.allclose(moved[:, -1], torch.zeros(5), atol=1e-5)
-    cfg = reinflow.ReinFlowConfig(**{k: v for k, v in TD3.items() if k != "reward"}, residual_gripper=False)
-    assert reinflow._agent(policy, cfg).residual_mask.tolist() == [1.0] * (ACT_DIM - 1) + [0.0]  # the config's way in
-    assert reinflow._agent(policy, dataclasses.replace(cfg, residual_gripper=True)).residual_mask.min() == 1.0
+    cfg = stage3.Stage3Config(**{k: v for k, v in TD3.items() if k != "reward"}, residual_gripper=False)
+    assert stage3.make_agent(policy, cfg).residual_mask.tolist() == [1.0] * (ACT_DIM - 1) + [0.0]  # the config's way in
+    assert stage3.make_agent(policy, dataclasses.replace(cfg, residual_gripper=True)).residual_mask.min() == 1.0
     actor_opt, critic_opt = optimizers(agent, cfg)
     base = torch.randn(5, ACT_DIM)
     batch = {"obs": obs, "latent": agent.residual(agent.state(obs, base)), "reward": torch.ones(5),
@@ -245,19 +245,19 @@ def test_without_the_gripper_the_residual_its_noise_and_its_target_smoothing_lea
     assert (batch["latent"][:, -1] == 0).all()
     td3_update(agent, batch, actor_opt, critic_opt, cfg)
     assert (agent.residual(agent.state(obs, base))[:, -1] == 0).all()
-    with pytest.raises(ValueError, match="residual_gripper False is an option of steers 'residual' and "):
-        reinflow.ReinFlowConfig(residual_gripper=False)
+    with pytest.raises(ValueError, match="steer 'chain' with learner 'ppo' does not read residual_gripper .ResidualConfig"):
+        stage3.Stage3Config(residual_gripper=False)
 
 
 def test_what_has_no_meaning_for_a_per_step_residual_is_refused():
-    with pytest.raises(ValueError, match="learner 'td3' learns steer 'residual_step'.*got steer 'residual'"):
-        reinflow.ReinFlowConfig(learner="td3", steer="residual")
+    with pytest.raises(ValueError, match="steer 'residual' with learner 'td3' is not a stage-3 method"):
+        stage3.Stage3Config(learner="td3", steer="residual")
     with pytest.raises(ValueError, match="residual_step' with learner 'ppo' takes advantage gae / mc / nstep.*'grpo'"):
-        reinflow.ReinFlowConfig(steer="residual_step", advantage="grpo")
+        stage3.Stage3Config(steer="residual_step", advantage="grpo")
     with pytest.raises(ValueError, match="one Gaussian per env step.*log_prob_reduce must be 'sum'"):
         StepResidualPPOAgent(tiny_policy()[0], 4, log_prob_reduce="mean_dim")
     with pytest.raises(ValueError, match="'td3_policy_delay' = 0: should be greater than 0"):
-        reinflow.ReinFlowConfig(steer="residual_step", learner="td3", td3_policy_delay=0)
+        stage3.Stage3Config(steer="residual_step", learner="td3", td3_policy_delay=0)
     with pytest.raises(ValueError, match="residual_bound must be > 0"):
         step_agent(bound=0.0)
     with pytest.raises(ValueError, match="no chain log-prob.*hybrid must be False"):
@@ -270,14 +270,14 @@ def test_what_has_no_meaning_for_a_per_step_residual_is_refused():
 
 
 def test_the_actor_lr_ramps_from_zero_past_the_critic_warmup_and_only_td3_has_the_ramp():
-    cfg = reinflow.ReinFlowConfig(critic_warmup_steps=1000, actor_lr=1e-4, actor_lr_warmup_steps=4000, **TD3)
+    cfg = stage3.Stage3Config(critic_warmup_steps=1000, actor_lr=1e-4, actor_lr_warmup_steps=4000, **TD3)
     assert [actor_lr(cfg, n) for n in (0, 1000)] == [0.0, 0.0]
     assert actor_lr(cfg, 3000) == pytest.approx(5e-5) and actor_lr(cfg, 5000) == actor_lr(cfg, 10**6) == 1e-4
     assert actor_lr(dataclasses.replace(cfg, actor_lr_warmup_steps=0), 0) == 1e-4  # no ramp: full at once
     with pytest.raises(ValueError, match="'actor_lr_warmup_steps' = -1: should be greater than or equal to 0"):
         dataclasses.replace(cfg, actor_lr_warmup_steps=-1)
-    with pytest.raises(ValueError, match="learner 'ppo' ignores actor_lr_warmup_steps .read only by learner 'td3'"):
-        reinflow.ReinFlowConfig(actor_lr_warmup_steps=4000)
+    with pytest.raises(ValueError, match="with learner 'ppo' does not read actor_lr_warmup_steps .TD3Config, read by steer/learner residual_step/td3"):
+        stage3.Stage3Config(actor_lr_warmup_steps=4000)
 
 
 def gradient_snr_of(run: Path, monkeypatch, tmp_path) -> dict:
@@ -295,17 +295,17 @@ def test_td3_runs_in_a_real_pickcube_env_and_its_transitions_chain_step_to_step(
     path = tmp_path / "stage1.pt"
     bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
     per_iter = 3 * 8 * 2  # 2 envs x 3 chunks x 8 steps
-    cfg = reinflow.ReinFlowConfig(init_checkpoint=str(path), num_inference_steps=4, rollout_steps=3, max_episode_steps=20,
-                                  total_env_steps=2 * per_iter, critic_warmup_steps=per_iter, sac_batch_size=8,
-                                  sac_updates_per_decision=0.25, eval_every=1, num_eval_episodes=2,
+    cfg = stage3.Stage3Config(init_checkpoint=str(path), num_inference_steps=4, rollout_steps=3, max_episode_steps=20,
+                                  total_env_steps=2 * per_iter, critic_warmup_steps=per_iter, replay_batch_size=8,
+                                  replay_updates_per_decision=0.25, eval_every=1, num_eval_episodes=2,
                                   actor_lr_warmup_steps=2 * per_iter, **TD3)
     run = tmp_path / "run"
     with make_env("PickCube-v1", 2, max_episode_steps=20) as env:
-        agent, _ = reinflow.build_agent(cfg, reinflow.init_checkpoint_path(cfg), env.spec)
+        agent, _ = stage3.build_agent(cfg, stage3.init_checkpoint_path(cfg), env.spec)
         assert isinstance(agent, StepResidualAgent)
         before = [p.clone() for p in agent.policy_parameters()]
         tracker = Tracker(run)
-        out = reinflow.train(cfg, agent, env, run, tracker)
+        out = stage3.train(cfg, agent, env, run, tracker)
         rows = tracker.rows
         assert out["env_steps"] == 2 * per_iter and [r["critic_warmup"] for r in rows] == [1.0, 0.0]
         assert [r["updates"] for r in rows] == [12, 12] and [r["buffer"] for r in rows] == [48, 96]
@@ -313,14 +313,14 @@ def test_td3_runs_in_a_real_pickcube_env_and_its_transitions_chain_step_to_step(
         assert "policy_loss" not in rows[0] and {"policy_loss", "value_loss", "q", "residual_rms",
                                                  "eval/success_once", "train/success_once"} <= set(rows[0]) | set(rows[1])
         assert any(not torch.equal(a, b.cpu()) for a, b in zip(before, agent.policy_parameters()))  # on a GPU, moved
-        assert reinflow.read_agent_checkpoint(run / "last.pt")["replay"]["size"] == 96
-        longer = reinflow.checkpoint_config(reinflow.read_agent_checkpoint(run / "last.pt"),
+        assert stage3.read_agent_checkpoint(run / "last.pt")["replay"]["size"] == 96
+        longer = stage3.checkpoint_config(stage3.read_agent_checkpoint(run / "last.pt"),
                                             {"total_env_steps": 3 * per_iter})
-        agent2, _ = reinflow.build_agent(longer, reinflow.init_checkpoint_path(longer), env.spec)
+        agent2, _ = stage3.build_agent(longer, stage3.init_checkpoint_path(longer), env.spec)
         resumed = Tracker(run)
-        assert reinflow.train(longer, agent2, env, run, resumed)["env_steps"] == 3 * per_iter
+        assert stage3.train(longer, agent2, env, run, resumed)["env_steps"] == 3 * per_iter
         assert resumed.rows[-1]["actor_lr"] == pytest.approx(cfg.actor_lr)  # past the ramp: the full rate
-        assert reinflow.read_agent_checkpoint(run / "last.pt")["replay"]["size"] == 144
+        assert stage3.read_agent_checkpoint(run / "last.pt")["replay"]["size"] == 144
 
         # the collector's transitions: each step's (window, a_b) is the previous step's (next window, a_b')
         # unless the episode ended, and what ran is a_b + r
@@ -354,7 +354,7 @@ def test_td3_runs_in_a_real_pickcube_env_and_its_transitions_chain_step_to_step(
             disc = torch.where(last, disc * d["bootstrap"][k:k + 28], disc)
             alive = alive * goes_on[k:k + 28]
         assert torch.allclose(d3["reward"], ret, atol=1e-5) and torch.allclose(d3["bootstrap"], disc, atol=1e-6)
-    reloaded = reinflow.load_agent(run / "last.pt")
+    reloaded = stage3.load_agent(run / "last.pt")
     assert isinstance(reloaded, StepResidualAgent)
     window = torch.randn(3, 2, OBS_DIM)
     a = torch.zeros(3, ACT_DIM)
@@ -374,8 +374,8 @@ def test_the_update_speed_benchmark_times_each_adam_on_a_params_files_agent(tmp_
     path = tmp_path / "stage1.pt"
     bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
     params = tmp_path / "td3.yaml"
-    params.write_text("\n".join(f"{k}: {v}" for k, v in {**TD3, "init_checkpoint": str(path), "sac_batch_size": 8,
-                                                          "sac_updates_per_decision": 0.5, "total_env_steps": 4000}.items()))
+    params.write_text("\n".join(f"{k}: {v}" for k, v in {**TD3, "init_checkpoint": str(path), "replay_batch_size": 8,
+                                                          "replay_updates_per_decision": 0.5, "total_env_steps": 4000}.items()))
     rows = load_benchmark("td3_update_speed").main(["--params", str(params), "--adam", "loop", "fused", "--updates",
                                                      "4", "--repeats", "2"])
     assert [r["adam"] for r in rows] == ["loop", "fused"] and all(r["ms_per_step"] > 0 for r in rows)
@@ -553,7 +553,7 @@ def test_ppo_moves_the_per_step_mean_towards_the_correction_that_pays_and_leaves
     """A one-step bandit over the residual's state: reward = -|r - c|^2 for a fixed c inside the bound."""
     agent, obs, policy = step_agent(bound=0.5, cls=StepResidualPPOAgent)
     flow_before = copy.deepcopy(policy.flow.net.state_dict())
-    cfg = reinflow.ReinFlowConfig(**PPO_STEP, update_epochs=4, minibatch_size=64, actor_lr=3e-3, critic_lr=1e-3)
+    cfg = stage3.Stage3Config(**PPO_STEP, update_epochs=4, minibatch_size=64, actor_lr=3e-3, critic_lr=1e-3)
     actor_opt = torch.optim.Adam(agent.policy_parameters(), lr=cfg.actor_lr)
     critic_opt = torch.optim.Adam(agent.value_parameters(), lr=cfg.critic_lr)
     gen = torch.Generator().manual_seed(0)
@@ -579,17 +579,17 @@ def test_ppo_on_the_per_step_residual_runs_in_a_real_pickcube_env_every_step_a_d
     path = tmp_path / "stage1.pt"
     bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
     per_iter = 3 * 8 * 2  # 2 envs x 3 chunks x 8 steps
-    cfg = reinflow.ReinFlowConfig(init_checkpoint=str(path), num_inference_steps=4, rollout_steps=3,
+    cfg = stage3.Stage3Config(init_checkpoint=str(path), num_inference_steps=4, rollout_steps=3,
                                   max_episode_steps=20, total_env_steps=2 * per_iter, critic_warmup_steps=per_iter,
                                   minibatch_size=16, eval_every=1, num_eval_episodes=2, gamma=0.8, gae_lambda=0.9,
                                   **PPO_STEP)
     run = tmp_path / "run"
     with make_env("PickCube-v1", 2, max_episode_steps=20) as env:
-        agent, _ = reinflow.build_agent(cfg, reinflow.init_checkpoint_path(cfg), env.spec)
+        agent, _ = stage3.build_agent(cfg, stage3.init_checkpoint_path(cfg), env.spec)
         assert type(agent) is StepResidualPPOAgent
         before = [p.clone() for p in agent.policy_parameters()]
         tracker = Tracker(run)
-        out = reinflow.train(cfg, agent, env, run, tracker)
+        out = stage3.train(cfg, agent, env, run, tracker)
         rows = tracker.rows
         assert out["env_steps"] == 2 * per_iter and [r["critic_warmup"] for r in rows] == [1.0, 0.0]
         assert "policy_loss" not in rows[0] and rows[1]["policy_steps"] > 0
@@ -597,11 +597,11 @@ def test_ppo_on_the_per_step_residual_runs_in_a_real_pickcube_env_every_step_a_d
         logged = set(rows[0]) | set(rows[1])
         assert {"value_loss", "explained_variance", "eval/success_once", "train/success_once"} <= logged
         assert any(not torch.equal(a, b.cpu()) for a, b in zip(before, agent.policy_parameters()))
-        longer = reinflow.checkpoint_config(reinflow.read_agent_checkpoint(run / "last.pt"),
+        longer = stage3.checkpoint_config(stage3.read_agent_checkpoint(run / "last.pt"),
                                             {"total_env_steps": 3 * per_iter})
-        agent2, _ = reinflow.build_agent(longer, reinflow.init_checkpoint_path(longer), env.spec)
+        agent2, _ = stage3.build_agent(longer, stage3.init_checkpoint_path(longer), env.spec)
         resumed = Tracker(run)
-        assert reinflow.train(longer, agent2, env, run, resumed)["env_steps"] == 3 * per_iter
+        assert stage3.train(longer, agent2, env, run, resumed)["env_steps"] == 3 * per_iter
         assert [r["iteration"] for r in resumed.rows] == [3]  # on from iteration 2
 
         # a rollout: 30 steps of 2 envs, each a decision [T, N]; the next state's value is the next decision's
@@ -622,7 +622,7 @@ def test_ppo_on_the_per_step_residual_runs_in_a_real_pickcube_env_every_step_a_d
         assert torch.allclose(step_lp[:, 0], buf.log_probs.flatten(), atol=1e-5)
         mean_r = r[:, 0].mean(0)
         assert torch.allclose(mean_r, torch.full((ACT_DIM,), 0.5 * math.tanh(0.2)), atol=0.02)
-    reloaded = reinflow.load_agent(run / "last.pt")
+    reloaded = stage3.load_agent(run / "last.pt")
     assert type(reloaded) is StepResidualPPOAgent
     window, a = torch.randn(3, 2, OBS_DIM), torch.zeros(3, ACT_DIM)
     agent2 = agent2.eval().cpu()

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from flowlib import envs, reinflow, smdp
+from flowlib import envs, smdp, stage3
 from flowlib.envs import make_env
 
 OBS_DIM, ACT_DIM = envs.PICKCUBE_OBS_DIM, 4  # PickCube-v1, state obs, pd_ee_delta_pos
@@ -67,7 +67,7 @@ def test_reward_scale_scales_what_learning_sees_and_not_the_logged_return():
     assert r1.item() > 0 and torch.allclose(r01, 0.1 * r1)
     assert ret1 == pytest.approx(ret01) and ret1 > r1.item()  # undiscounted, unscaled episode return
     with pytest.raises(ValueError, match="reward_scale"):
-        reinflow.ReinFlowConfig(reward_scale=0.0)
+        stage3.Stage3Config(reward_scale=0.0)
 
 
 def test_shaped_reward_telescopes_to_the_potential_reached():
@@ -86,7 +86,7 @@ def test_shaped_reward_telescopes_to_the_potential_reached():
     assert out["end"].all() and not out["terminal"].any()
     assert finished[0]["return"] == 0.0 and shaped.phi.item() == 0.0  # reset with the episode
     with pytest.raises(ValueError, match="reward must be one of"):
-        reinflow.ReinFlowConfig(reward="shaping")
+        stage3.Stage3Config(reward="shaping")
 
 
 class SolvedFromStep:
@@ -128,9 +128,9 @@ def test_success_bonus_adds_to_what_learning_sees_on_solved_steps_only():
     with pytest.raises(ValueError, match="success_bonus"):
         smdp.ChunkRunner(SolvedFromStep(3), obs_horizon=2, gamma=gamma, reward="sparse", success_bonus=1.0)
     with pytest.raises(ValueError, match="reward 'dense' only"):
-        reinflow.ReinFlowConfig(reward="shaped", success_bonus=1.0)
+        stage3.Stage3Config(reward="shaped", success_bonus=1.0)
     with pytest.raises(ValueError, match="'success_bonus' = -1.0: should be greater"):
-        reinflow.ReinFlowConfig(reward="dense", success_bonus=-1.0)
+        stage3.Stage3Config(reward="dense", success_bonus=-1.0)
 
 
 class Approach:
@@ -191,11 +191,11 @@ def test_reach_weight_adds_the_reach_term_to_the_dense_reward_and_to_the_shaped_
     with pytest.raises(ValueError, match="reach_weight applies"):
         smdp.ChunkRunner(Approach(4, 6), 2, gamma, reward="sparse", reach_weight=w)
     with pytest.raises(ValueError, match="reward: dense / shaped"):
-        reinflow.ReinFlowConfig(reward="sparse", reach_weight=1.0)
+        stage3.Stage3Config(reward="sparse", reach_weight=1.0)
     with pytest.raises(ValueError, match="env_id 'PushCube-v1'"):
-        reinflow.ReinFlowConfig(reward="dense", reach_weight=1.0, env_id="PushCube-v1")
+        stage3.Stage3Config(reward="dense", reach_weight=1.0, env_id="PushCube-v1")
     with pytest.raises(ValueError, match="'reach_weight' = -1.0: should be greater"):
-        reinflow.ReinFlowConfig(reward="dense", reach_weight=-1.0)
+        stage3.Stage3Config(reward="dense", reach_weight=-1.0)
 
 
 def test_reach_sharpness_steepens_the_added_reach_term_and_leaves_the_dense_rewards_own():
@@ -215,7 +215,7 @@ def test_reach_sharpness_steepens_the_added_reach_term_and_leaves_the_dense_rewa
     default = smdp.ChunkRunner(Approach(4, 7, gap=gap), 2, gamma, reward="dense", reach_weight=w, grasp_min_gap=0.035)
     assert default.step_chunk(torch.zeros(1, 7, ACT_DIM))["reward"].item() > out["reward"].item()  # k = 5 pays more
     with pytest.raises(ValueError, match="'reach_sharpness' = 0.0: should be greater than 0"):
-        reinflow.ReinFlowConfig(reward="dense", reach_weight=1.0, reach_sharpness=0.0)
+        stage3.Stage3Config(reward="dense", reach_weight=1.0, reach_sharpness=0.0)
 
 
 def test_grasp_min_gap_pays_a_squeeze_on_the_edge_what_the_approach_pays_and_a_grasp_across_the_cube_in_full():
@@ -244,11 +244,11 @@ def test_grasp_min_gap_pays_a_squeeze_on_the_edge_what_the_approach_pays_and_a_g
     with pytest.raises(ValueError, match="grasp_min_gap applies"):
         smdp.ChunkRunner(env, 2, gamma, reward="sparse", grasp_min_gap=0.035)
     with pytest.raises(ValueError, match="set grasp_min_gap: 0.0 or reward: dense"):
-        reinflow.ReinFlowConfig(reward="sparse", grasp_min_gap=0.035)
+        stage3.Stage3Config(reward="sparse", grasp_min_gap=0.035)
     with pytest.raises(ValueError, match="finger joints"):
-        reinflow.ReinFlowConfig(reward="dense", grasp_min_gap=0.035, env_id="PushCube-v1")
+        stage3.Stage3Config(reward="dense", grasp_min_gap=0.035, env_id="PushCube-v1")
     with pytest.raises(ValueError, match="'grasp_min_gap' = -.*: should be greater"):
-        reinflow.ReinFlowConfig(reward="dense", grasp_min_gap=-0.01)
+        stage3.Stage3Config(reward="dense", grasp_min_gap=-0.01)
 
 
 def test_place_weight_pays_the_steep_place_term_while_the_grasp_counts():
@@ -279,13 +279,13 @@ def test_place_weight_pays_the_steep_place_term_while_the_grasp_counts():
     with pytest.raises(ValueError, match="place_weight applies"):
         smdp.ChunkRunner(env, 2, gamma, reward="sparse", place_weight=w_p)
     with pytest.raises(ValueError, match="set place_weight: 0.0 or reward: dense"):
-        reinflow.ReinFlowConfig(reward="sparse", place_weight=1.0)
+        stage3.Stage3Config(reward="sparse", place_weight=1.0)
     with pytest.raises(ValueError, match="cube-to-goal offset"):
-        reinflow.ReinFlowConfig(reward="dense", place_weight=1.0, env_id="PushCube-v1")
+        stage3.Stage3Config(reward="dense", place_weight=1.0, env_id="PushCube-v1")
     with pytest.raises(ValueError, match="'place_weight' = -1.0: should be greater"):
-        reinflow.ReinFlowConfig(reward="dense", place_weight=-1.0)
+        stage3.Stage3Config(reward="dense", place_weight=-1.0)
     with pytest.raises(ValueError, match="'place_sharpness' = .*: should be greater than 0"):
-        reinflow.ReinFlowConfig(reward="dense", place_weight=1.0, place_sharpness=0.0)
+        stage3.Stage3Config(reward="dense", place_weight=1.0, place_sharpness=0.0)
 
 
 class WrongWidth(Approach):

@@ -1,0 +1,135 @@
+"""TD3 on the per-step residual (``flowlib.residual_step``): the learner of the target run, ``params/06_steering/cpu.yaml``.
+
+Twin critics ``Q_1, Q_2 (s, r)`` of the state ``s = (o_t, a_b)`` and the residual ``r``, fitted on the clipped
+double-Q target with target-policy smoothing (Fujimoto et al. 2018, Eq. 15)::
+
+    y = reward + gamma (1 - terminal) min_j Q_bar_j(s', clip(mu_bar(s') + clip(eps, -c, c), -b, b)),
+    eps ~ N(0, td3_target_noise^2)
+
+(with ``td3_n_step`` = n > 1, the n-step return of ``residual_step.NStepReturns``), and every ``td3_policy_delay``
+critic steps the deterministic policy gradient ``max_phi Q_1(s, mu_phi(s))`` (their Alg. 1) and the Polyak step of
+``mu_bar``; ``Q_bar`` follows ``Q`` after every critic step, the warm-up's included.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .buffers import ReplayBuffer
+from .config import NonNegativeFloat, NonNegativeInt, PositiveInt
+from .learners import ReplayLearner
+from .nets import frozen
+from .residual_step import StepCollector, StepResidualAgent
+
+
+@dataclass
+class TD3Config:
+    """TD3 on the per-step residual (``"td3"``; ``ReplayConfig`` applies too)."""
+
+    td3_target_noise: NonNegativeFloat = 0.05  # std of the target policy's smoothing noise (normalised action units)
+    td3_noise_clip: NonNegativeFloat = 0.1  # ... clipped to +-td3_noise_clip
+    td3_policy_delay: PositiveInt = 2  # critic steps per actor (and target) step
+    td3_n_step: PositiveInt = 1  # the critics' target sums n rewards before it bootstraps
+    residual_l2: NonNegativeFloat = 0.0  # the actor's loss adds residual_l2 * mean (r / b)^2: r stays 0 unless Q pays
+    actor_lr_warmup_steps: NonNegativeInt = 0  # env steps past critic_warmup_steps over which the actor's lr ramps
+                                               # from 0 to actor_lr (0: full at once)
+
+
+def replay_buffer(agent: StepResidualAgent, capacity: int) -> ReplayBuffer:
+    """Transitions ``obs [To, O]``, ``latent`` = the residual ``r [A]``, ``reward``, ``bootstrap`` =
+    ``gamma (1 - terminal)``, ``next_obs``, and the base actions ``base``, ``next_base`` ``[A]`` (normalised)."""
+    A = agent.action_dim
+    return ReplayBuffer(capacity, (agent.obs_horizon, agent.obs_dim), (A,), base=(A,), next_base=(A,))
+
+
+def actor_loss(agent: StepResidualAgent, s: torch.Tensor,
+               residual_l2: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """TD3's actor loss on the states ``s [B, S]``, ``-mean Q_1(s, mu_phi(s)) + residual_l2 mean (mu / b)^2``, and
+    ``mu [B, A]``.  Its gradient in ``phi`` is the deterministic policy gradient (Silver et al. 2014, Theorem 1) through
+    the critic (Fujimoto et al. 2018, Alg. 1); the critics get none (``frozen``)."""
+    mu = agent.residual(s)                                                                    # [B, A]
+    with frozen(agent.q):  # dQ_1/dr only: no weight gradients for the critics, no Q_2 (a third of the step)
+        q_pi = agent.critic_1(s, mu)                                                          # [B]
+    return -q_pi.mean() + residual_l2 * (mu / agent.residual_bound).pow(2).mean(), mu
+
+
+def td3_update(agent: StepResidualAgent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg,
+               train_policy: bool = True) -> dict[str, float]:
+    """One critic step on the TD3 target, then (``train_policy``) one actor step and the Polyak step of the
+    targets (module docstring).  With ``train_policy`` False only the critics move (warm-up, delayed steps)."""
+    device = agent.explore_std.device
+    b = {k: v.to(device) for k, v in batch.items()}
+    s, s_next = agent.state(b["obs"], b["base"]), agent.state(b["next_obs"], b["next_base"])
+    with torch.no_grad():
+        eps = (torch.randn_like(b["latent"]) * cfg.td3_target_noise).clamp(-cfg.td3_noise_clip, cfg.td3_noise_clip)
+        eps = eps * agent.residual_mask
+        r_next = (agent.residual(s_next, target=True) + eps).clamp(-agent.residual_bound, agent.residual_bound)
+        y = b["reward"] + b["bootstrap"] * agent.critic(s_next, r_next, target=True).min(0).values  # [B]
+    q = agent.critic(s, b["latent"])                                                          # [2, B]
+    q_loss = (q - y).pow(2).mean(1).sum()
+    critic_opt.zero_grad(set_to_none=True)
+    q_loss.backward()
+    nn.utils.clip_grad_norm_(critic_opt.param_groups[0]["params"], cfg.max_grad_norm)  # = value_parameters()
+    critic_opt.step()
+    stats = {"value_loss": q_loss.item() / 2, "q": q.mean().item(), "target": y.mean().item()}
+    if train_policy:
+        loss, mu = actor_loss(agent, s, cfg.residual_l2)
+        actor_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(actor_opt.param_groups[0]["params"], cfg.max_grad_norm)  # = policy_parameters()
+        actor_opt.step()
+        stats.update({"policy_loss": loss.item(), "residual_rms": mu.pow(2).mean().sqrt().item()})
+    agent.update_targets(cfg.target_tau, actor=train_policy)  # Q_bar follows Q in the warm-up too
+    return stats
+
+
+def optimizers(agent: StepResidualAgent, cfg):
+    """``(actor_opt, critic_opt)``: Adam over the residual actor and over the twin Q, with torch's fused kernel (one
+    pass over all tensors; on CPU a third of the ``foreach`` version's time and a fifth of the default loop's, which
+    cost a tenth of a small TD3 step; ``benchmarks/td3_update_speed.py``)."""
+    return (torch.optim.Adam(agent.policy_parameters(), lr=cfg.actor_lr, fused=True),
+            torch.optim.Adam(agent.value_parameters(), lr=cfg.critic_lr, fused=True))
+
+
+def actor_lr(cfg, env_steps: int) -> float:
+    """The actor's learning rate for the updates after ``env_steps`` env steps: ``actor_lr`` ramped linearly from 0
+    over the ``actor_lr_warmup_steps`` env steps past ``critic_warmup_steps`` (a learning-rate warm-up as in Goyal
+    et al. 2017, here of the actor alone): the first actor steps follow a critic fitted to the stage-1 policy's
+    data only, and at full rate they move ``r`` to the bound's half within one iteration.  Measured (docs/stage3.md):
+    the ramp shortens the dip that follows and ends on the same plateau."""
+    if cfg.actor_lr_warmup_steps <= 0:
+        return cfg.actor_lr
+    return cfg.actor_lr * min(1.0, max(0.0, (env_steps - cfg.critic_warmup_steps) / cfg.actor_lr_warmup_steps))
+
+
+def td3_agent(policy, cfg) -> StepResidualAgent:
+    """The per-step residual agent with TD3's critics (``cfg``'s ``ResidualConfig``) over a frozen ``policy``."""
+    return StepResidualAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
+                             tuple(cfg.value_hidden_dims), cfg.residual_bound, tuple(cfg.residual_hidden_dims),
+                             correct_gripper=cfg.residual_gripper, act_horizon=cfg.act_horizon, obs_clip=cfg.obs_clip)
+
+
+def td3_learner(agent: StepResidualAgent, cfg) -> ReplayLearner:
+    """TD3 on the per-step residual: each iteration runs ``rollout_steps x Ta`` env steps of every env into the
+    replay, then takes ``replay_updates_per_decision`` critic steps per stored transition (batches of
+    ``replay_batch_size``), the actor's every ``td3_policy_delay``-th of them once the iteration starts past
+    ``critic_warmup_steps`` (none until the replay holds one batch), at the rate ``actor_lr`` gives."""
+    steps = cfg.rollout_steps * agent.act_horizon
+
+    def make_collect(runner, generator):
+        collector = StepCollector(agent, runner, generator, cfg.td3_n_step)
+        return lambda buffer: collector.collect(buffer, steps)
+
+    def update_step(learner, batch, train_policy, i):
+        train_policy = train_policy and (i + 1) % cfg.td3_policy_delay == 0
+        return td3_update(agent, batch, learner.actor_opt, learner.critic_opt, cfg, train_policy=train_policy)
+
+    def set_lr(learner):
+        for group in learner.actor_opt.param_groups:
+            group["lr"] = actor_lr(cfg, learner.runner.env_steps)
+
+    return ReplayLearner(agent, cfg, replay_buffer(agent, cfg.replay_size), make_collect, update_step, optimizers,
+                         lambda num_envs: steps * num_envs, "residual TD3", before_update=set_lr,
+                         after_update=lambda learner: {"actor_lr": learner.actor_opt.param_groups[0]["lr"]})
