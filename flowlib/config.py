@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import inspect
 import re
 import typing
 from pathlib import Path
@@ -160,6 +161,40 @@ def from_globals(cls: type[T], namespace: Mapping[str, Any]) -> T:
     values = {k: v for k, v in namespace.items()
               if not k.startswith("_") and k not in _IPYTHON_NAMES and isinstance(v, _PLAIN)}
     return validate(cls, values, source="notebook parameters")
+
+
+def field_help(cls) -> dict[str, str]:
+    """Each field's one-line help: the comment after its declaration in the class, or in the nearest base class
+    that has one (a subclass that only changes defaults keeps its bases' help)."""
+    out: dict[str, str] = {}
+    for klass in cls.__mro__:
+        if not dataclasses.is_dataclass(klass):
+            continue
+        for m in re.finditer(r"^    (\w+): [^=\n]+=[^\n#]*#\s*(.+)$", inspect.getsource(klass), re.M):
+            out.setdefault(m.group(1), m.group(2).strip())
+    return out
+
+
+def type_name(cls, name: str) -> str:
+    """A field's Python type as papermill reads an annotation: ``int``, ``float``, ``list[int]`` (no bounds)."""
+    def plain(tp):
+        if typing.get_origin(tp) is Annotated:
+            return plain(typing.get_args(tp)[0])
+        if typing.get_origin(tp) is list:
+            return f"list[{plain(typing.get_args(tp)[0])}]"
+        return tp.__name__
+    return plain(typing.get_type_hints(cls, include_extras=True)[name])
+
+
+def parameter_lines(cls, values: Mapping[str, Any]) -> list[str]:
+    """A notebook's parameters-cell lines ``name: type = value  # help`` for ``values``, in their order, each
+    annotated and documented as ``papermill --help-notebook`` shows them."""
+    helps = field_help(cls)
+
+    def line(k, v):
+        text = f'"{v}"' if isinstance(v, str) and '"' not in v else repr(v)
+        return f"{k}: {type_name(cls, k)} = {text}" + (f"  # {helps[k]}" if helps.get(k) else "")
+    return [line(k, v) for k, v in values.items()]
 
 
 def require(checks: list[tuple[bool, str]]) -> None:

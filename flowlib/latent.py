@@ -37,7 +37,7 @@ from .reinflow_agent import ReinFlowAgent
 class LatentConfig:
     """The policy over ``x_0`` (steer ``"latent"``, PPO or SAC); its std is bounded by ``min/max_noise_std``."""
 
-    latent_bound: PositiveFloat = 2.5  # |mu(o)| <= latent_bound per dim of x_0
+    latent_bound: PositiveFloat = 2.5  # the bound on |mu(o)| per dim of x_0
     latent_hidden_dims: list[PositiveInt] = dataclasses.field(default_factory=lambda: [256, 256])  # mu's MLP
 
 

@@ -56,9 +56,9 @@ class RunConfig:
     schedule, the budget, evaluation and bookkeeping."""
 
     seed: NonNegativeInt = 0  # the run's seed (nets, noise, minibatches)
-    init_checkpoint: str = ""  # stage-1/2 best_model.pt, relative to outputs/; "" = 01_shortcut_bc/default
+    init_checkpoint: str = ""  # stage-1/2 best_model.pt, relative to outputs/; "": 01_shortcut_bc/default
     env_id: str = "PickCube-v1"  # the ManiSkill task; must be the start checkpoint's
-    act_horizon: NonNegativeInt = 0  # actions executed per chunk decision; 0 = the start checkpoint's own
+    act_horizon: NonNegativeInt = 0  # actions executed per chunk decision; 0: the start checkpoint's own
     num_envs: PositiveInt = 2  # parallel envs (processes on physx_cpu)
     max_episode_steps: PositiveInt = 100  # the time limit (a truncation: bootstrapped, not terminal)
     backend: str = "auto"  # "auto", "physx_cpu" or "physx_cuda"
@@ -67,7 +67,7 @@ class RunConfig:
     success_bonus: NonNegativeFloat = 0.0  # reward "dense": added per solved step (learning only)
     reach_weight: NonNegativeFloat = 0.0  # PickCube, dense / shaped: weight of 1 - tanh(reach_sharpness |cube - tcp|)
     reach_sharpness: PositiveFloat = 5.0  # 1/m, of the reach term (ManiSkill's own is 5; 20 pays the last cm)
-    grasp_min_gap: NonNegativeFloat = 0.0  # PickCube, dense / shaped: a grasp counts only with fingers >= this apart (m)
+    grasp_min_gap: NonNegativeFloat = 0.0  # PickCube, dense / shaped: a grasp counts only with fingers at least this far apart (m)
     place_weight: NonNegativeFloat = 0.0  # PickCube, dense / shaped: weight of 1 - tanh(place_sharpness |goal - cube|)
     place_sharpness: PositiveFloat = 20.0  # 1/m, of the place term
     num_inference_steps: PositiveInt = 8  # K, the denoising steps of the flow (noisy chain or frozen ODE)
@@ -86,7 +86,7 @@ class RunConfig:
     critic_warmup_steps: NonNegativeInt = 128  # iterations that start within these env steps update only the critic
     value_hidden_dims: list[PositiveInt] = dataclasses.field(default_factory=lambda: [256, 256])  # V / Q hidden sizes
     warm_start_value: bool = True  # V from a stage-2 checkpoint's critic (same inputs), when there is one
-    eval_every: NonNegativeInt = 0  # iterations between validations (pick best_model.pt); 0 = only before and after
+    eval_every: NonNegativeInt = 0  # iterations between validations (pick best_model.pt); 0: only before and after
     num_eval_episodes: PositiveInt = 4  # episodes per evaluation
     val_seed: NonNegativeInt = 10_000  # env seeds of the validations
     eval_seed: NonNegativeInt = 20_000  # env seeds of the before / after report (never used to pick a model)

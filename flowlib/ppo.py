@@ -42,25 +42,25 @@ class PPOConfig:
     """The settings of the advantage estimators and of ``ppo_update`` (learner ``"ppo"`` of stage 3).  Notebook 03
     reads them as flat parameters: ``stage3.Stage3Config`` composes this class with the other learners'."""
 
-    update_epochs: PositiveInt = 2
+    update_epochs: PositiveInt = 2  # passes over the rollout per update
     policy_epochs: NonNegativeInt = 0   # epochs of each update that train the policy (0: all); the value fits all
-    minibatch_size: PositiveInt = 16
+    minibatch_size: PositiveInt = 16  # decisions per gradient step
     micro_batch_size: NonNegativeInt = 0  # rows per forward/backward pass in a minibatch (gradient accumulation); 0: all
     advantage: str = "gae"              # gae / mc / nstep / grpo / branch (ESTIMATORS)
-    gae_lambda: Fraction = 0.95
-    n_step: PositiveInt = 5             # decisions, for advantage = "nstep"
+    gae_lambda: Fraction = 0.95  # GAE's lambda (advantage "gae")
+    n_step: PositiveInt = 5             # decisions, for advantage "nstep"
     group_size: PositiveInt = 2         # envs per GRPO group (same env seed); num_envs must be a multiple
     branches: PositiveInt = 1           # chains tried per decision from one env state (advantage "branch"; physx_cpu)
-    clip_coef: PositiveFloat = 0.2
-    dual_clip: NonNegativeFloat = 0.0   # c > 1 caps the loss of negative-advantage samples at -c A; 0 = off
+    clip_coef: PositiveFloat = 0.2  # the ratio's clip, 1 +- clip_coef (Schulman et al. 2017, Eq. 7)
+    dual_clip: NonNegativeFloat = 0.0   # c > 1 caps the loss of negative-advantage samples at -c A; 0: off
     value_clip: NonNegativeFloat = 0.0  # 0: unclipped value loss
     huber_delta: NonNegativeFloat = 0.0  # > 0: Huber value loss with this delta; 0: squared error
-    ent_coef: NonNegativeFloat = 0.01
-    vf_coef: NonNegativeFloat = 0.5
+    ent_coef: NonNegativeFloat = 0.01  # weight of the entropy bonus
+    vf_coef: NonNegativeFloat = 0.5  # weight of the value loss
     actor_optimizer: str = "adam"       # "adam", or "sgd": steps along the (norm-clipped) gradient itself
     target_kl: NonNegativeFloat = 0.0   # 0: no early stop
     kl_stop: str = "all"                # past target_kl: "all" ends the update, "policy" keeps fitting the value
-    norm_adv: bool = True
+    norm_adv: bool = True  # advantages normalised per minibatch
     ratio_mode: str = "joint"           # "joint" (one-layer MDP) or "per_step" (two-layer MDP: a ratio per step)
 
     def ppo_checks(self) -> list[tuple[bool, str]]:

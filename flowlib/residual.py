@@ -48,7 +48,7 @@ class ResidualConfig:
     """A bounded correction ``r`` of the frozen flow's actions (steers ``"residual"`` and ``"residual_step"``); its
     exploration std is bounded by ``min/max_noise_std``."""
 
-    residual_bound: PositiveFloat = 0.5  # |mu| <= residual_bound per dim (normalised action units)
+    residual_bound: PositiveFloat = 0.5  # the bound on |mu| per dim (normalised action units)
     residual_gripper: bool = True  # False leaves the last action dim (the gripper) to the base
     residual_hidden_dims: list[PositiveInt] = dataclasses.field(default_factory=lambda: [256, 256])  # mu's MLP
 

@@ -68,3 +68,25 @@ def test_papermill_parses_every_parameter(py):
     unparsed = sorted(k for k in namespace if not k.startswith("__") and k not in parsed)
     assert not unparsed, (f"{py.name}: papermill cannot parse the parameters-cell lines of {unparsed}; "
                           "keep '=' out of their trailing comments")
+
+
+DOCUMENTED = ["03_reinflow", "06_steering"]  # notebooks whose parameters cell is generated from its config dataclass
+
+
+@pytest.mark.parametrize("stem", DOCUMENTED)
+def test_a_documented_parameters_cell_is_typed_and_helped_as_its_dataclass_says(stem):
+    """Each line is ``config.parameter_lines``'s ``name: type = value  # help``: ``papermill --help-notebook`` shows
+    every parameter's type and help, and neither can drift from the dataclass (regenerate the cell after a change)."""
+    from flowlib.config import field_help, parameter_lines
+
+    cls = config_class(stem)
+    helps = field_help(cls)
+    missing = [f.name for f in dataclasses.fields(cls) if not helps.get(f.name)]
+    assert not missing, f"{cls.__name__}: give these fields a one-line comment: {missing}"
+    assert not [k for k, v in helps.items() if "=" in v], "papermill cannot parse an '=' in a parameter's help"
+    cell = next(c for c in jupytext.read(NB_DIR / f"{stem}.py").cells if "parameters" in c.metadata.get("tags", []))
+    lines = [line for line in cell.source.splitlines() if line and not line.startswith("#")]
+    namespace: dict = {}
+    exec(cell.source, namespace)
+    values = {k: v for k, v in namespace.items() if not k.startswith("__")}
+    assert lines == parameter_lines(cls, values)
