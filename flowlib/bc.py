@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from .config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields
 from .data import ChunkDataset, Episode, Normalizer
+from .envs import control_mode as task_control_mode
 from .flows import ShortCut
 from .runs import load_torch, rng_state, save_torch, set_rng_state
 from .unet import ShortCutVelocityUNet1D
@@ -332,7 +333,7 @@ def _episodes_from_trace(trace: dict[str, list[torch.Tensor]], seeds: list[int])
 
 
 def train(cfg, dataset: ChunkDataset, run_path: Path, tracker=None, env=None,
-          control_mode: str = "pd_ee_delta_pos", policy: FlowPolicy | None = None,
+          control_mode: str | None = None, policy: FlowPolicy | None = None,
           weights: torch.Tensor | None = None, extra: dict[str, Any] | None = None,
           checkpoint_format: str = CHECKPOINT_FORMAT) -> tuple[FlowPolicy, dict[str, Any]]:
     """ShortCut BC with EMA, AdamW, warm-up + cosine LR; checkpoints ``last.pt`` / ``best_model.pt``.
@@ -352,8 +353,9 @@ def train(cfg, dataset: ChunkDataset, run_path: Path, tracker=None, env=None,
     """
     run_path = Path(run_path)
     torch.manual_seed(cfg.seed)
-    if policy is None:
-        meta = policy_meta(cfg, dataset, control_mode)
+    if policy is None:  # the control mode of the env's spec, else the task's
+        mode = control_mode or (env.spec.control_mode if env is not None else task_control_mode(cfg.env_id))
+        meta = policy_meta(cfg, dataset, mode)
         policy = build_policy(meta, dataset.obs_normalizer, dataset.action_normalizer)
     meta = policy.meta
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

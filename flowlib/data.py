@@ -25,7 +25,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .envs import DEFAULT_CONTROL_MODE, check_env_id, clear_grasp_at_reset
+from .envs import DEFAULT_CONTROL_MODE, check_env_id, clear_grasp_at_reset, is_fast
+from .envs import control_mode as task_control_mode
+from .fast_envs import FAST_TASKS, demonstrate
 from .runs import outputs_root
 
 MOTION_PLANNING_ENVS = ("PickCube-v1", "PushCube-v1", "StackCube-v1", "PegInsertionSide-v1", "PlugCharger-v1",
@@ -57,12 +59,21 @@ def demo_dir(env_id: str) -> Path:
 
 
 def demo_path(env_id: str, num_demos: int) -> Path:
+    if is_fast(env_id):
+        return demo_dir(env_id) / f"demos_{num_demos}.state.{task_control_mode(env_id)}.torch.h5"
     return demo_dir(env_id) / f"demos_{num_demos}.state.{DEFAULT_CONTROL_MODE}.physx_cpu.h5"
 
 
 def generate_demos(env_id: str = "PickCube-v1", num_demos: int = 100, num_procs: int = 1, force: bool = False) -> Path:
-    """Motion-planned demos replayed to state obs + ``pd_ee_delta_pos``; cached, so a second call is free."""
+    """Motion-planned demos replayed to state obs + ``pd_ee_delta_pos``; cached, so a second call is free.  For a
+    fast torch task (``flowlib.fast_envs``), its scripted demonstrator's episodes (env seeds 0 on), failures kept."""
     check_env_id(env_id)
+    if is_fast(env_id):
+        out = demo_path(env_id, num_demos)
+        if force or not out.exists():
+            save_episodes(out, scripted_demos(env_id, num_demos), env_id, task_control_mode(env_id),
+                          source="flowlib.fast_envs.demonstrate")
+        return out
     if env_id not in MOTION_PLANNING_ENVS:
         raise ValueError(f"ManiSkill has no motion-planning solution for {env_id}; ones that do: {MOTION_PLANNING_ENVS}. "
                          "Pass your own demos with demo_file=... instead.")
@@ -88,14 +99,36 @@ def generate_demos(env_id: str = "PickCube-v1", num_demos: int = 100, num_procs:
     return out
 
 
+def scripted_demos(env_id: str, num_demos: int, first_seed: int = 0, num_envs: int = 256):
+    """``num_demos`` episodes of the scripted demonstrator (``flowlib.data.Episode``), env seeds ``first_seed`` on.
+    Unlike ManiSkill's motion planner this keeps the failed ones too: the data's imperfection is the point."""
+    episodes = []
+    for first in range(first_seed, first_seed + num_demos, num_envs):
+        n = min(num_envs, first_seed + num_demos - first)
+        env = FAST_TASKS[env_id](n, backend="torch_cpu")
+        obs, gen = [env.reset(seed=first)], torch.Generator().manual_seed(first)
+        acts, rews, succ, trunc = [], [], [], []
+        for _ in range(env.max_episode_steps):
+            a = demonstrate(env, gen)
+            o, r, _, tr, s = env.step(a)
+            obs.append(o), acts.append(a), rews.append(r), succ.append(s), trunc.append(tr)
+        stack = [torch.stack(x, 1).numpy() for x in (obs, acts, rews, succ, trunc)]
+        for i in range(n):
+            episodes.append(Episode(stack[0][i].astype(np.float32), stack[1][i].astype(np.float32),
+                                    stack[2][i].astype(np.float32), stack[3][i], stack[3][i].copy(),
+                                    stack[4][i], seed=first + i))
+    return episodes
+
+
 def _run(cmd: list[str], what: str) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed ({' '.join(cmd[:4])} ...):\n{proc.stderr[-3000:]}")
 
 
-def load_demos(path: str | Path, control_mode: str = DEFAULT_CONTROL_MODE, max_episodes: int | None = None) -> list[Episode]:
-    """Episodes of a ManiSkill trajectory file (``.h5`` with its ``.json``); checks obs and control mode.
+def load_demos(path: str | Path, control_mode: str | None = None, max_episodes: int | None = None) -> list[Episode]:
+    """Episodes of a ManiSkill trajectory file (``.h5`` with its ``.json``); checks obs and control mode (the
+    task's own, ``flowlib.envs.control_mode``, unless ``control_mode`` names one).
     Each first observation gets what ``flowlib.envs.ManiSkillVecEnv.reset`` gives a policy: the grasp flag that
     the replay's reset carried over from the previous demo cleared (``flowlib.envs.clear_grasp_at_reset``)."""
     import h5py
@@ -109,6 +142,8 @@ def load_demos(path: str | Path, control_mode: str = DEFAULT_CONTROL_MODE, max_e
     if meta:
         kwargs = meta.get("env_info", {}).get("env_kwargs", {})
         found = kwargs.get("control_mode")
+        if control_mode is None:
+            control_mode = task_control_mode(meta.get("env_info", {}).get("env_id", ""))
         if found is not None and found != control_mode:
             raise ValueError(f"{path.name} was recorded with control_mode={found!r}, this pipeline needs {control_mode!r}. "
                              f"Convert it: python -m mani_skill.trajectory.replay_trajectory --traj-path {path} "

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import functools
 import platform
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from .fast_envs import CONTROL_MODE as FAST_CONTROL_MODE
+from .fast_envs import FAST_TASKS, EnvSpec  # noqa: F401  (EnvSpec: every env's, re-exported)
 
 DEFAULT_CONTROL_MODE = "pd_ee_delta_pos"
 # ManiSkill's imitation baselines evaluate PickCube with 100 steps (the env registers 50).
@@ -66,17 +68,30 @@ def known_env_ids() -> list[str]:
     import mani_skill.envs  # noqa: F401  (registers the envs)
     from mani_skill.utils.registration import REGISTERED_ENVS
 
-    return sorted(REGISTERED_ENVS)
+    return sorted([*REGISTERED_ENVS, *FAST_TASKS])
+
+
+def is_fast(env_id: str) -> bool:
+    """A pure-torch task of ``flowlib.fast_envs`` (no simulator, no Vulkan)."""
+    return env_id in FAST_TASKS
+
+
+def control_mode(env_id: str) -> str:
+    """The control mode a task's demonstrations and policies use: ``pd_ee_delta_pos`` for ManiSkill's,
+    ``ee_delta_pos`` for the fast tasks."""
+    return FAST_CONTROL_MODE if is_fast(env_id) else DEFAULT_CONTROL_MODE
 
 
 def check_env_id(env_id: str) -> None:
+    if is_fast(env_id):
+        return
     ids = known_env_ids()
     if env_id not in ids:
         import difflib
 
         close = difflib.get_close_matches(env_id, ids, n=3)
         raise ValueError(f"unknown ManiSkill env id {env_id!r}" + (f"; did you mean {close}?" if close else "")
-                         + " (e.g. PickCube-v1, PushCube-v1, StackCube-v1)")
+                         + f" (e.g. PickCube-v1, PushCube-v1, StackCube-v1; fast torch tasks: {sorted(FAST_TASKS)})")
 
 
 def resolve_backend(backend: str = "auto") -> str:
@@ -87,15 +102,6 @@ def resolve_backend(backend: str = "auto") -> str:
     if backend == "physx_cuda" and not torch.cuda.is_available():
         raise ValueError("backend='physx_cuda' needs a CUDA GPU; use backend='auto' or 'physx_cpu'")
     return backend
-
-
-@dataclass
-class EnvSpec:
-    env_id: str
-    obs_dim: int
-    action_dim: int
-    control_mode: str
-    max_episode_steps: int
 
 
 def _make_cpu_env(env_id, obs_mode, control_mode, reward_mode, max_episode_steps, render, fresh_scene=False):
@@ -283,7 +289,14 @@ def _is_flag(value, num_envs: int) -> bool:
     return dtype in (torch.bool, np.dtype(bool)) and tuple(value.shape) == (num_envs,)
 
 
-def make_env(env_id: str = "PickCube-v1", num_envs: int = 1, **kwargs) -> ManiSkillVecEnv:
+def make_env(env_id: str = "PickCube-v1", num_envs: int = 1, **kwargs):
+    """``num_envs`` envs of ``env_id``: a ManiSkill task (``ManiSkillVecEnv``), or a fast torch task
+    (``flowlib.fast_envs``, whose ``backend`` is "auto", "torch_cpu" or "torch_cuda"; ManiSkill's names map to
+    them, so one params file serves both)."""
+    if is_fast(env_id):
+        backend = kwargs.pop("backend", "auto")
+        kwargs["backend"] = {"physx_cpu": "torch_cpu", "physx_cuda": "torch_cuda"}.get(backend, backend)
+        return FAST_TASKS[env_id](num_envs, **kwargs)
     return ManiSkillVecEnv(env_id, num_envs, **kwargs)
 
 

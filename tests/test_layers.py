@@ -13,7 +13,7 @@ FLOWLIB = REPO / "flowlib"
 # bottom to top; a module may import from its own layer and the ones before it
 LAYERS = {
     "core": {"config", "runs", "metrics", "nets", "flows", "unet", "flow_sde", "toy2d", "tracking", "sysdeps"},
-    "world": {"envs", "data", "smdp"},
+    "world": {"fast_envs", "envs", "data", "smdp"},
     "policy": {"bc", "critic", "awsc"},
     "rl core": {"ppo", "buffers", "loop", "learners"},
     "methods": {"reinflow_agent", "reinflow", "latent", "latent_sac", "residual", "residual_step", "residual_td3"},
