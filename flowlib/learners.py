@@ -69,6 +69,8 @@ class PPOLearner:
 
     def update(self, buf: RolloutBuffer, train_policy: bool) -> dict[str, float]:
         advantages, returns = buf.advantages(self.cfg)
+        if self.cfg.flip_advantages:  # the control: the same update along the opposite of the estimated gradient
+            advantages = -advantages
         stats = ppo_update(self.scorer, buf.flat(advantages, returns), self.actor_opt, self.critic_opt, self.cfg,
                            train_policy=train_policy, generator=self.gen)
         live = buf.weights > 0

@@ -79,7 +79,7 @@ class RunConfig:
     total_env_steps: PositiveInt = 512  # the run's budget
     rollout_steps: PositiveInt = 8  # decisions per env per iteration (chunks; a per-step residual: chunks of steps)
     gamma: Fraction = 0.99  # discount per env step
-    actor_lr: PositiveFloat = 3e-5  # the policy's learning rate
+    actor_lr: NonNegativeFloat = 3e-5  # the policy's learning rate (0: the policy stays as it starts, a control)
     critic_lr: PositiveFloat = 1e-4  # the value / Q nets' learning rate
     max_grad_norm: PositiveFloat = 1.0  # gradient-norm clip of every update
     obs_clip: NonNegativeFloat = 5.0  # normalised observations clipped to +-obs_clip (0: off)

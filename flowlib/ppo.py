@@ -61,6 +61,7 @@ class PPOConfig:
     target_kl: NonNegativeFloat = 0.0   # 0: no early stop
     kl_stop: str = "all"                # past target_kl: "all" ends the update, "policy" keeps fitting the value
     norm_adv: bool = True  # advantages normalised per minibatch
+    flip_advantages: bool = False  # a control: PPO ascends -A, so a method that learns must get worse
     ratio_mode: str = "joint"           # "joint" (one-layer MDP) or "per_step" (two-layer MDP: a ratio per step)
 
     def ppo_checks(self) -> list[tuple[bool, str]]:

@@ -77,7 +77,7 @@ def test_every_params_file_validates_against_its_notebook(path: Path):
 
 @pytest.mark.parametrize("cls, values, message", [
     (Stage3Config, {"num_envs": 0}, "'num_envs' = 0: should be greater than 0 (expected int > 0)"),
-    (Stage3Config, {"actor_lr": -3e-5}, "'actor_lr' = -3e-05: should be greater than 0"),
+    (Stage3Config, {"actor_lr": -3e-5}, "'actor_lr' = -3e-05: should be greater than or equal to 0"),
     (Stage3Config, {"gamma": 1.5}, "'gamma' = 1.5: should be less than or equal to 1 (expected float >= 0, <= 1)"),
     (Stage3Config, {"max_noise_std": float("nan")}, "'max_noise_std' = nan: should be a finite number"),
     (Stage3Config, {"target_kl": float("inf")}, "'target_kl' = inf: should be a finite number"),

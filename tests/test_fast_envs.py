@@ -46,6 +46,17 @@ def test_a_push_moves_the_disc_out_along_the_contact_normal_only_on_contact():
     assert torch.allclose(env.state["c"][0], torch.full((2,), -0.1 + 0.15 / 2 ** 0.5), atol=1e-6)
 
 
+def test_a_push_across_the_disc_drags_it_by_the_friction_share_of_the_sideways_motion():
+    env = placed(FastPush(1), p=(-0.12, 0.0), c=(0.0, 0.0), g=(0.5, 0.5))
+    env.step(torch.tensor([[1.0, 1.0]]))  # p -> (-0.07, 0.05), inside the contact distance 0.15
+    p = torch.tensor([-0.07, 0.05])
+    n = (torch.zeros(2) - p) / (torch.zeros(2) - p).norm()
+    d = torch.tensor([0.05, 0.05])
+    expected = p + 0.15 * n + 0.8 * (d - (d @ n) * n)  # the docstring's c' = p' + (r_p + r_o) n + mu (d - (d.n) n)
+    assert torch.allclose(env.state["c"][0], expected, atol=1e-6)
+    assert (env.state["c"][0] - p).norm().item() > 0.15  # the disc ends clear of the pusher
+
+
 def test_push_success_needs_the_disc_within_three_centimetres_of_the_goal():
     env = placed(FastPush(1), p=(-0.9, -0.9), c=(0.0, 0.0), g=(0.035, 0.0))
     _, reward, _, _, success = env.step(torch.zeros(1, 2))

@@ -495,3 +495,33 @@ def test_critic_warmup_covers_the_first_n_env_steps_in_whole_iterations(per_iter
         cfg = stage3.Stage3Config(critic_warmup_steps=n)
         warm = [loop.in_critic_warmup(i * per_iteration, cfg) for i in range(6)]
         assert warm == [True] * expected + [False] * (6 - expected), (n, per_iteration)
+
+
+def test_the_flipped_advantage_control_takes_the_exact_opposite_first_step():
+    """``flip_advantages`` (the control of a learning run): with one minibatch, no entropy bonus and Adam's first step
+    (``lr * sign(g)``), the policy moves by exactly the negative of the plain update."""
+    import copy
+
+    from flowlib.buffers import RolloutBuffer
+    from flowlib.learners import PPOLearner
+
+    agent, obs = tiny_agent()
+    b = fake_batch(agent, obs)
+    buf = RolloutBuffer(obs=obs[None], chains=b["chains"][None], stochastic=b["stochastic"][None],
+                        step_log_probs=b["step_log_probs"][None], log_probs=b["log_probs"][None],
+                        values=torch.zeros(1, 5), rewards=torch.randn(1, 5, generator=torch.Generator().manual_seed(1)),
+                        discounts=torch.full((1, 5), 0.9), next_values=torch.zeros(1, 5),
+                        terminal=torch.zeros(1, 5, dtype=torch.bool), ends=torch.ones(1, 5, dtype=torch.bool),
+                        weights=torch.ones(1, 5))
+    moves = []
+    for flip in (False, True):
+        cfg = stage3.Stage3Config(minibatch_size=5, update_epochs=1, ent_coef=0.0, flip_advantages=flip)
+        copy_ = copy.deepcopy(agent)
+        before = [p.clone() for p in copy_.policy_parameters()]
+        learner = PPOLearner(copy_, cfg, make_rollout=None)
+        learner.build_optimizers()
+        learner.gen = torch.Generator().manual_seed(0)
+        learner.update(buf, train_policy=True)
+        moves.append(torch.cat([(p - q).flatten() for p, q in zip(copy_.policy_parameters(), before)]))
+    assert moves[0].abs().max() > 0
+    assert torch.allclose(moves[1], -moves[0], atol=1e-7)
