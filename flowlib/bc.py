@@ -31,7 +31,7 @@ from .data import ChunkDataset, Episode, Normalizer
 from .envs import control_mode as task_control_mode
 from .flows import ShortCut
 from .runs import load_torch, rng_state, save_torch, set_rng_state
-from .unet import ShortCutVelocityUNet1D
+from .unet import ChunkVelocityMLP, ShortCutVelocityUNet1D
 
 CHECKPOINT_FORMAT = "flowlib.shortcut_bc/1"
 AW_CHECKPOINT_FORMAT = "flowlib.aw_shortcut/1"  # stage 2: the same contents plus its critic
@@ -58,7 +58,9 @@ class ShortCutBCConfig:
     obs_horizon: PositiveInt = 2
     pred_horizon: PositiveInt = 16
     act_horizon: PositiveInt = 8
-    down_dims: list[PositiveInt] = field(default_factory=lambda: [32, 64])
+    velocity_net: str = "unet"          # "unet" (1D temporal U-Net over the chunk) or "mlp" (one flat MLP, ReinFlow's)
+    down_dims: list[PositiveInt] = field(default_factory=lambda: [32, 64])  # the U-Net's channel widths
+    mlp_dims: list[PositiveInt] = field(default_factory=lambda: [256, 256, 256])  # the MLP's layer widths
     emb_dim: PositiveInt = 32
     obs_emb_dim: NonNegativeInt = 0     # 0: the flat obs window conditions the U-Net; > 0: an MLP obs_encoder first
     shortcut_max_steps: PositiveInt = 8  # d_min = 1 / shortcut_max_steps
@@ -88,6 +90,8 @@ class ShortCutBCConfig:
 
     def __post_init__(self):
         check_fields(self)
+        if self.velocity_net not in VELOCITY_NETS:
+            raise ValueError(f"velocity_net must be one of {VELOCITY_NETS}, got {self.velocity_net!r}")
         check_act_horizon(self.act_horizon, self.obs_horizon, self.pred_horizon)
         for k in [*self.eval_inference_steps, self.select_inference_steps]:
             if k > self.shortcut_max_steps or self.shortcut_max_steps % k:
@@ -143,9 +147,13 @@ def build_policy(meta: dict[str, Any], obs_normalizer: Normalizer | None = None,
                  action_normalizer: Normalizer | None = None) -> FlowPolicy:
     """A fresh policy from checkpoint metadata (dims, horizons, net and ShortCut sizes).  The policy keeps copies
     of the normalisers it is given: moving it to a GPU leaves the dataset's (and a critic built from them) on the CPU."""
-    net = ShortCutVelocityUNet1D(meta["action_dim"], meta["obs_dim"], meta["obs_horizon"], meta["pred_horizon"],
-                                 down_dims=tuple(meta["down_dims"]), emb_dim=meta["emb_dim"],
-                                 obs_emb_dim=meta["obs_emb_dim"])
+    dims = (meta["action_dim"], meta["obs_dim"], meta["obs_horizon"], meta["pred_horizon"])
+    if meta["velocity_net"] == "mlp":
+        net = ChunkVelocityMLP(*dims, hidden=tuple(meta["mlp_dims"]), emb_dim=meta["emb_dim"],
+                               obs_emb_dim=meta["obs_emb_dim"])
+    else:
+        net = ShortCutVelocityUNet1D(*dims, down_dims=tuple(meta["down_dims"]), emb_dim=meta["emb_dim"],
+                                     obs_emb_dim=meta["obs_emb_dim"])
     flow = ShortCut(net, ema_decay=meta["ema_decay"], max_steps=meta["shortcut_max_steps"],
                     bootstrap_fraction=meta["bootstrap_fraction"])
     obs_normalizer = Normalizer(meta["obs_dim"]) if obs_normalizer is None else copy.deepcopy(obs_normalizer)
@@ -156,7 +164,8 @@ def build_policy(meta: dict[str, Any], obs_normalizer: Normalizer | None = None,
 def policy_meta(cfg: ShortCutBCConfig, dataset: ChunkDataset, control_mode: str) -> dict[str, Any]:
     return {"env_id": cfg.env_id, "control_mode": control_mode, "obs_dim": dataset.obs_dim,
             "action_dim": dataset.action_dim, "obs_horizon": cfg.obs_horizon, "pred_horizon": cfg.pred_horizon,
-            "act_horizon": cfg.act_horizon, "down_dims": list(cfg.down_dims), "emb_dim": cfg.emb_dim,
+            "act_horizon": cfg.act_horizon, "velocity_net": cfg.velocity_net, "down_dims": list(cfg.down_dims),
+            "mlp_dims": list(cfg.mlp_dims), "emb_dim": cfg.emb_dim,
             "obs_emb_dim": cfg.obs_emb_dim, "ema_decay": cfg.ema_decay, "shortcut_max_steps": cfg.shortcut_max_steps,
             "bootstrap_fraction": cfg.bootstrap_fraction}
 
@@ -189,7 +198,13 @@ def save_checkpoint(path: Path, policy: FlowPolicy, optimizer, scheduler, step: 
 
 
 # Metadata keys added after the first checkpoints were written, with the value those checkpoints mean.
-META_DEFAULTS = {"obs_emb_dim": 0}
+META_DEFAULTS = {"obs_emb_dim": 0, "velocity_net": "unet", "mlp_dims": [256, 256, 256]}
+VELOCITY_NETS = ("unet", "mlp")
+
+
+def features_dim(meta: dict[str, Any]) -> int:
+    """The width of the velocity net's features (``return_features``): the U-Net's bottleneck or the MLP's last layer."""
+    return meta["mlp_dims"][-1] if meta["velocity_net"] == "mlp" else meta["down_dims"][-1]
 
 
 def complete_meta(meta: dict[str, Any]) -> dict[str, Any]:

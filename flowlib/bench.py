@@ -5,6 +5,7 @@ import time
 
 import torch
 
+from .envs import make_env
 from .reinflow import collect
 from .residual_step import StepCollector, StepResidualAgent
 from .residual_td3 import replay_buffer
@@ -46,3 +47,14 @@ def overhead(agent, env, decisions: int = 8, seed: int = 0) -> dict[str, float]:
     total = time.time() - t0
     return {"num_envs": N, "raw_step_ms": 1e3 * raw, "policy_ms_per_env_step": 1e3 * policy_time / steps,
             "overhead_fraction": (policy_time / steps) / raw, "loop_env_steps_per_s": steps / total}
+
+
+def overhead_table(agent, cfg) -> list[dict]:
+    """``overhead`` of ``agent`` at each of ``cfg.bench_num_envs`` (fresh envs of ``cfg.env_id``, episodes from
+    ``cfg.eval_seed``), with the backend and the peak memory so far: a notebook's benchmark table."""
+    rows = []
+    for n in cfg.bench_num_envs:
+        with make_env(cfg.env_id, n, max_episode_steps=cfg.max_episode_steps, backend=cfg.backend) as env:
+            rows.append({**overhead(agent, env, cfg.bench_decisions, seed=cfg.eval_seed), "backend": env.backend,
+                         "peak_memory_mb": peak_memory_mb()})
+    return rows

@@ -281,12 +281,15 @@ def train(cfg: RunConfig, agent, learner, env, run_path: Path, tracker=None) -> 
     ``eval_every`` iterations the deterministic policy is evaluated on ``val_seed`` episodes, which pick
     ``best_model.pt`` (the training episodes restart afterwards); ``eval_seed`` stays for the report.
     ``last.pt`` (atomic) every ``ckpt_every`` iterations; with ``resume`` a run continues from it.
-    Returns ``{"best": ..., "iterations": ..., "env_steps": ...}``."""
+    Returns ``{"best": ..., "iterations": ..., "env_steps": ..., "train_time_s": ...}``, the training time counting
+    a resumed run's earlier sessions (from the tracker's rows)."""
+    t_start = time.time()
     run_path = prepare_run(cfg, agent, run_path)
     learner.build_optimizers()
     per_iter = learner.env_steps_per_iteration(env.num_envs)
     num_iters = max(1, math.ceil(cfg.total_env_steps / per_iter))
     start, runner, best = resume(cfg, agent, run_path / "last.pt", learner, env, tracker)
+    trained_before = tracker.rows[-1]["wall_time"] if tracker is not None and tracker.rows else 0.0
     learner.start(runner, torch.Generator().manual_seed(cfg.seed * 100_003 + start))
     bar = tqdm(total=num_iters, initial=start, desc=learner.name, mininterval=10)
     for iteration in range(start, num_iters):
@@ -311,7 +314,8 @@ def train(cfg: RunConfig, agent, learner, env, run_path: Path, tracker=None) -> 
         bar.update()
     bar.close()
     agent.eval()
-    return {"best": best, "iterations": num_iters, "env_steps": runner.env_steps}
+    return {"best": best, "iterations": num_iters, "env_steps": runner.env_steps,
+            "train_time_s": trained_before + time.time() - t_start}
 
 
 def on_all_cores(step, n: int) -> list:

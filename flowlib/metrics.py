@@ -96,3 +96,10 @@ def clustered_mean(x, clusters) -> tuple[float, float]:
     mean = float(x.mean())
     sums = np.bincount(which, weights=x - mean)  # [C]  sum of the residuals in each cluster
     return mean, float(np.sqrt(C / (C - 1) * (sums ** 2).sum()) / len(x))
+
+
+def before_after(results: dict[str, dict]) -> list[dict]:
+    """One row per named ``bc.evaluate`` result (``{"before": ..., "after": ...}``): success_once, success_at_end,
+    return, and how often each of the task's other flags was true at some step (where failures stop)."""
+    return [{"policy": name, **{k: r[k] for k in ("success_once", "success_at_end", "return")},
+             **{f"{flag}_once": rate for flag, rate in r["flags_once"].items()}} for name, r in results.items()]

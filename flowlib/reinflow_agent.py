@@ -180,7 +180,7 @@ class ReinFlowAgent(bc.ChunkPolicy):
         if self.eligible < 1:
             raise ValueError(f"{noise_method} with K = {num_inference_steps} has no stochastic step: use K >= 2")
         self.critic_input, self.detach_critic_input = critic_input, detach_critic_input
-        value_in = obs_in if critic_input == "obs" else meta["down_dims"][-1]
+        value_in = obs_in if critic_input == "obs" else bc.features_dim(meta)
         self.value_net = mlp([value_in, *value_hidden_dims, 1], act=nn.Mish)
         self.include_initial_noise = include_initial_noise or noise_method == "flow_noise"
         self.log_prob_over = log_prob_over

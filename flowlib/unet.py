@@ -110,3 +110,37 @@ class ShortCutVelocityUNet1D(nn.Module):
             h = up(res2(res1(h, cond), cond))
         velocity = self.final(h).transpose(1, 2)  # [B, H, A]
         return (velocity, features) if return_features else velocity
+
+
+class ChunkVelocityMLP(nn.Module):
+    """Velocity net over action chunks ``[B, H, A]`` as one flat MLP: ``[x (H*A), emb(t), emb(d), obs (To*O)] ->
+    velocity (H*A)``, the interface of ``ShortCutVelocityUNet1D``.  ReinFlow's state-task configs use such an MLP; on a
+    CPU it costs a fraction of the U-Net's time, which is what the policy's share of a fast task's env step is.
+    ``hidden`` are the layer widths; the last is the features a critic on the velocity net reads."""
+
+    def __init__(self, action_dim: int, obs_dim: int, obs_horizon: int = 2, pred_horizon: int = 16,
+                 hidden: tuple[int, ...] = (256, 256, 256), emb_dim: int = 32, emb_scale: float = 100.0,
+                 obs_emb_dim: int = 0):
+        super().__init__()
+        self.action_dim, self.obs_dim, self.obs_horizon, self.pred_horizon = action_dim, obs_dim, obs_horizon, pred_horizon
+        self.t_emb = SinusoidalEmbedding(emb_dim, scale=emb_scale)
+        self.d_emb = SinusoidalEmbedding(emb_dim, scale=emb_scale)
+        obs_in = obs_horizon * obs_dim
+        self.obs_encoder = mlp([obs_in, obs_emb_dim, obs_emb_dim], act=nn.Mish) if obs_emb_dim > 0 else None
+        width = pred_horizon * action_dim + 2 * emb_dim + (obs_emb_dim if obs_emb_dim > 0 else obs_in)
+        self.body = nn.Sequential(mlp([width, *hidden], act=nn.Mish), nn.Mish())
+        self.head = nn.Linear(hidden[-1], pred_horizon * action_dim)
+
+    def forward(self, x, t, d, obs, return_features: bool = False):
+        B = x.shape[0]
+        if x.shape[1:] != (self.pred_horizon, self.action_dim):
+            raise ValueError(f"x must be [B, {self.pred_horizon}, {self.action_dim}], got {tuple(x.shape)}")
+        if obs is None or obs.shape[1:] != (self.obs_horizon, self.obs_dim):
+            got = None if obs is None else tuple(obs.shape)
+            raise ValueError(f"obs must be [B, {self.obs_horizon}, {self.obs_dim}], got {got}")
+        obs_emb = obs.reshape(B, -1)
+        if self.obs_encoder is not None:
+            obs_emb = self.obs_encoder(obs_emb)
+        features = self.body(torch.cat([x.reshape(B, -1), self.t_emb(t), self.d_emb(d), obs_emb], -1))
+        velocity = self.head(features).reshape(x.shape)
+        return (velocity, features) if return_features else velocity

@@ -119,14 +119,12 @@
 
 
 # %%
-import time
-
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
 
-from flowlib import bc, bench, config, loop, runs, stage3
+from flowlib import bc, bench, config, loop, metrics, runs, stage3
 from flowlib.envs import make_env
 from flowlib.tracking import start_run
 
@@ -251,12 +249,9 @@ print(f"before fine-tuning: success_once {before['success_once']:.2f}, success_a
 # iterations: a killed run resumes where it stopped.
 
 # %%
-t0 = time.time()
-trained_before = tracker.rows[-1]["wall_time"] if tracker.rows else 0.0  # a resumed run: its earlier sessions
 out = stage3.train(cfg, agent, env, run_path, tracker)
-train_time = trained_before + time.time() - t0
 history = pd.DataFrame(tracker.rows)
-print(f"{out['iterations']} iterations, {out['env_steps']} env steps in {train_time:.0f}s")
+print(f"{out['iterations']} iterations, {out['env_steps']} env steps in {out['train_time_s']:.0f}s")
 history.filter(["step", "iteration", "critic_warmup", "max_noise_std", "value_loss", "policy_loss", "approx_kl",
                 "clip_frac", "explained_variance", "train/success_once"]).round(4).tail(8)
 
@@ -291,9 +286,7 @@ plt.show()
 
 # %%
 after = bc.evaluate(agent, env, cfg.num_eval_episodes, cfg.num_inference_steps, seed=cfg.eval_seed)
-compare = pd.DataFrame([{"policy": name, **{k: r[k] for k in ("success_once", "success_at_end", "return")},
-                         **{f"{flag}_once": rate for flag, rate in r["flags_once"].items()}}  # where failures stop
-                        for name, r in (("before", before), ("after", after))])
+compare = pd.DataFrame(metrics.before_after({"before": before, "after": after}))
 compare.to_csv(run_path / "before_after.csv", index=False)
 compare.round(3)
 
@@ -329,29 +322,23 @@ plt.show()
 phase = history[["rollout_time", "update_time"]].sum()
 print(f"rollout {phase.rollout_time:.1f}s ({phase.rollout_time / phase.sum():.0%}), update {phase.update_time:.1f}s")
 env.close()
-bench_rows = []
-for n in cfg.bench_num_envs:
-    with make_env(cfg.env_id, n, max_episode_steps=cfg.max_episode_steps, backend=cfg.backend) as bench_env:
-        bench_rows.append({**bench.overhead(agent, bench_env, cfg.bench_decisions, seed=cfg.eval_seed),
-                           "batch": n, "peak_memory_mb": bench.peak_memory_mb()})
-bench = pd.DataFrame(bench_rows)
-runs.save_json(run_path / "benchmark.json", {"backend": bench_env.backend, "K": cfg.num_inference_steps,
-                                              "rows": bench.to_dict("records")})
-bench.round(3)
+overheads = pd.DataFrame(bench.overhead_table(agent, cfg))
+runs.save_json(run_path / "benchmark.json", {"K": cfg.num_inference_steps, "rows": overheads.to_dict("records")})
+overheads.round(3)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print(f"benchmark rows for num_envs {cfg.bench_num_envs}: {bench.num_envs.tolist() == cfg.bench_num_envs}")
+print(f"benchmark rows for num_envs {cfg.bench_num_envs}: {overheads.num_envs.tolist() == cfg.bench_num_envs}")
 
 # %%
 summary = {"init_checkpoint": str(init_path), "value_init": value_init, "env_steps": out["env_steps"],
-           "train_time_s": train_time, "before": {k: before[k] for k in ("success_once", "success_at_end")},
+           "train_time_s": out["train_time_s"], "before": {k: before[k] for k in ("success_once", "success_at_end")},
            "after": {k: after[k] for k in ("success_once", "success_at_end")}, "best": out["best"],
-           "overhead_fraction": bench.overhead_fraction.tolist()}
+           "overhead_fraction": overheads.overhead_fraction.tolist()}
 tracker.summary(summary)
 tracker.finish()
 print(f"success_once {before['success_once']:.2f} -> {after['success_once']:.2f} after {out['env_steps']} env steps "
-      f"({train_time:.0f}s)")
+      f"({out['train_time_s']:.0f}s)")
 
 # %% [markdown]
 # ## Is an update signal or noise?

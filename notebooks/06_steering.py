@@ -86,13 +86,11 @@
 # shows the machinery in a minute, not a better policy. `params/06_steering/*.yaml` hold the runs of the record.
 
 # %%
-import time
-
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from flowlib import bc, bench, config, runs, stage3
+from flowlib import bc, bench, config, metrics, runs, stage3
 from flowlib.envs import make_env
 from flowlib.tracking import start_run
 
@@ -166,12 +164,9 @@ print(f"before fine-tuning: success_once {before['success_once']:.2f}, success_a
 # validate, checkpoint. A killed run resumes from `last.pt`, replay buffer included.
 
 # %%
-t0 = time.time()
-trained_before = tracker.rows[-1]["wall_time"] if tracker.rows else 0.0  # a resumed run: its earlier sessions
 out = stage3.train(cfg, agent, env, run_path, tracker)
-train_time = trained_before + time.time() - t0
 history = pd.DataFrame(tracker.rows)
-print(f"{out['iterations']} iterations, {out['env_steps']} env steps in {train_time:.0f}s")
+print(f"{out['iterations']} iterations, {out['env_steps']} env steps in {out['train_time_s']:.0f}s")
 history.filter(["step", "iteration", "critic_warmup", "updates", "value_loss", "policy_loss", "q",
                 "train/success_once"]).round(4).tail(8)
 
@@ -197,24 +192,18 @@ plt.show()
 
 # %%
 after = bc.evaluate(agent, env, cfg.num_eval_episodes, cfg.num_inference_steps, seed=cfg.eval_seed)
-compare = pd.DataFrame([{"policy": name, **{k: r[k] for k in ("success_once", "success_at_end", "return")},
-                         **{f"{flag}_once": rate for flag, rate in r["flags_once"].items()}}
-                        for name, r in (("before", before), ("after", after))])
+compare = pd.DataFrame(metrics.before_after({"before": before, "after": after}))
 compare.to_csv(run_path / "before_after.csv", index=False)
 env.close()
-bench_rows = []
-for n in cfg.bench_num_envs:
-    with make_env(cfg.env_id, n, max_episode_steps=cfg.max_episode_steps, backend=cfg.backend) as bench_env:
-        bench_rows.append({**bench.overhead(agent, bench_env, cfg.bench_decisions, seed=cfg.eval_seed),
-                           "peak_memory_mb": bench.peak_memory_mb()})
+overheads = bench.overhead_table(agent, cfg)
 compare.round(3)
 
 # %%
 summary = {"method": f"{cfg.steer}/{cfg.learner}", "init_checkpoint": str(init_path), "env_steps": out["env_steps"],
-           "train_time_s": train_time, "before": {k: before[k] for k in ("success_once", "success_at_end")},
+           "train_time_s": out["train_time_s"], "before": {k: before[k] for k in ("success_once", "success_at_end")},
            "after": {k: after[k] for k in ("success_once", "success_at_end")}, "best": out["best"],
-           "overhead_fraction": [row["overhead_fraction"] for row in bench_rows]}
+           "overhead_fraction": [row["overhead_fraction"] for row in overheads]}
 tracker.summary(summary)
 tracker.finish()
 print(f"success_once {before['success_once']:.2f} -> {after['success_once']:.2f} after {out['env_steps']} env steps "
-      f"({train_time:.0f}s); policy share of an env step {bench_rows[0]['overhead_fraction']:.2f}")
+      f"({out['train_time_s']:.0f}s); policy share of an env step {overheads[0]['overhead_fraction']:.2f}")

@@ -381,3 +381,28 @@ def test_an_episode_does_not_depend_on_how_episodes_are_batched(tmp_path):
         # CUDA's kernels vary with the batch size by ~1e-5; on the CPU the episodes match to 1e-5
         np.testing.assert_allclose(one.actions, two.actions, atol=1e-4 if torch.cuda.is_available() else 1e-5)
         np.testing.assert_allclose(one.obs, two.obs, atol=1e-4)
+
+
+def test_the_mlp_velocity_net_maps_chunks_to_chunks_and_refuses_other_shapes():
+    from flowlib.unet import ChunkVelocityMLP
+
+    net = ChunkVelocityMLP(ACT_DIM, OBS_DIM, 2, 16, hidden=(32, 24), emb_dim=8)
+    x, t, obs = torch.randn(5, 16, ACT_DIM), torch.rand(5), torch.randn(5, 2, OBS_DIM)
+    velocity, features = net(x, t, t, obs, return_features=True)
+    assert velocity.shape == (5, 16, ACT_DIM) and features.shape == (5, 24)
+    with pytest.raises(ValueError, match=r"obs must be \[B, 2, 42\]"):
+        net(x, t, t, torch.randn(5, 3, OBS_DIM))
+
+
+def test_an_mlp_policy_trains_round_trips_and_an_old_checkpoint_reads_as_a_unet(tmp_path):
+    cfg = tiny_cfg(train_steps=5, velocity_net="mlp", mlp_dims=[32, 32])
+    policy, _ = bc.train(cfg, ChunkDataset(random_episodes(), 2, 16), tmp_path)
+    loaded = bc.load_policy(tmp_path / "last.pt")
+    assert type(loaded.flow.net).__name__ == "ChunkVelocityMLP" and bc.features_dim(loaded.meta) == 32
+    obs = torch.randn(3, 2, OBS_DIM)
+    assert torch.allclose(policy.cpu().act(obs, 4, torch.Generator().manual_seed(0)),
+                          loaded.act(obs, 4, torch.Generator().manual_seed(0)))
+    old = {k: v for k, v in policy.meta.items() if k not in ("velocity_net", "mlp_dims")}  # a checkpoint of before
+    assert bc.complete_meta(old)["velocity_net"] == "unet"
+    with pytest.raises(ValueError, match="velocity_net must be one of"):
+        tiny_cfg(velocity_net="transformer")
