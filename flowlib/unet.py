@@ -39,6 +39,16 @@ class FiLMResBlock1D(nn.Module):
         return self.block2(h) + self.residual(x)
 
 
+def _check_inputs(net, x: torch.Tensor, obs: torch.Tensor | None) -> int:
+    """The batch size of a chunk velocity net's ``x [B, H, A]`` and ``obs [B, To, O]``, or a clear error."""
+    if x.shape[1:] != (net.pred_horizon, net.action_dim):
+        raise ValueError(f"x must be [B, {net.pred_horizon}, {net.action_dim}], got {tuple(x.shape)}")
+    if obs is None or obs.shape[1:] != (net.obs_horizon, net.obs_dim):
+        got = None if obs is None else tuple(obs.shape)
+        raise ValueError(f"obs must be [B, {net.obs_horizon}, {net.obs_dim}], got {got}")
+    return x.shape[0]
+
+
 class ShortCutVelocityUNet1D(nn.Module):
     """Velocity net over action chunks ``[B, H, A]``, conditioned on ``t``, ``d`` and ``obs [B, To, O]``.
 
@@ -86,12 +96,7 @@ class ShortCutVelocityUNet1D(nn.Module):
     def forward(self, x, t, d, obs, return_features: bool = False):
         """``velocity [B, H, A]``; with ``return_features`` also the bottleneck features averaged over
         the horizon, ``[B, down_dims[-1]]`` (what a critic on the velocity net reads)."""
-        B = x.shape[0]
-        if x.shape[1:] != (self.pred_horizon, self.action_dim):
-            raise ValueError(f"x must be [B, {self.pred_horizon}, {self.action_dim}], got {tuple(x.shape)}")
-        if obs is None or obs.shape[1:] != (self.obs_horizon, self.obs_dim):
-            got = None if obs is None else tuple(obs.shape)
-            raise ValueError(f"obs must be [B, {self.obs_horizon}, {self.obs_dim}], got {got}")
+        B = _check_inputs(self, x, obs)
         obs_emb = obs.reshape(B, -1)  # [B, To * O]
         if self.obs_encoder is not None:
             obs_emb = self.obs_encoder(obs_emb)  # [B, obs_emb_dim]
@@ -132,12 +137,7 @@ class ChunkVelocityMLP(nn.Module):
         self.head = nn.Linear(hidden[-1], pred_horizon * action_dim)
 
     def forward(self, x, t, d, obs, return_features: bool = False):
-        B = x.shape[0]
-        if x.shape[1:] != (self.pred_horizon, self.action_dim):
-            raise ValueError(f"x must be [B, {self.pred_horizon}, {self.action_dim}], got {tuple(x.shape)}")
-        if obs is None or obs.shape[1:] != (self.obs_horizon, self.obs_dim):
-            got = None if obs is None else tuple(obs.shape)
-            raise ValueError(f"obs must be [B, {self.obs_horizon}, {self.obs_dim}], got {got}")
+        B = _check_inputs(self, x, obs)
         obs_emb = obs.reshape(B, -1)
         if self.obs_encoder is not None:
             obs_emb = self.obs_encoder(obs_emb)
