@@ -208,14 +208,19 @@ def checkpoint_config(ckpt: dict, overrides: dict | None = None) -> Stage3Config
     return config.validate(Stage3Config, values, "checkpoint config + overrides")
 
 
+def _agent_from(ckpt: dict, cfg: Stage3Config):
+    """The agent a read stage-3 checkpoint holds, rebuilt for ``cfg``, in eval mode."""
+    agent = make_agent(bc.build_policy(ckpt["meta"]), cfg)
+    agent.load_state_dict(ckpt["agent"])
+    return agent.eval()
+
+
 def load_agent(path: str | Path, overrides: dict | None = None):
     """A fine-tuned agent from a stage-3 checkpoint (``last.pt`` / ``best_model.pt``), in eval mode.
 
     ``overrides`` change how the same weights sample and score (``noise_corr``, ``log_prob_over``, ``K`` ...)."""
     ckpt = read_agent_checkpoint(path)
-    agent = make_agent(bc.build_policy(ckpt["meta"]), checkpoint_config(ckpt, overrides))
-    agent.load_state_dict(ckpt["agent"])
-    return agent.eval()
+    return _agent_from(ckpt, checkpoint_config(ckpt, overrides))
 
 
 def load_for_rollouts(path: str | Path, overrides: dict | None = None, max_noise_std: float = 0.0):
@@ -223,7 +228,7 @@ def load_for_rollouts(path: str | Path, overrides: dict | None = None, max_noise
     with the noise the run had at the checkpoint's env steps (its schedule), or ``max_noise_std`` when > 0."""
     ckpt = read_agent_checkpoint(path)
     cfg = checkpoint_config(ckpt, overrides)
-    agent = load_agent(path, overrides)
+    agent = _agent_from(ckpt, cfg)
     std = max_noise_std or loop.noise_schedule(cfg.noise_schedule, ckpt["env_steps"] / max(cfg.noise_decay_steps, 1),
                                                cfg.max_noise_std, cfg.final_noise_std)
     agent.set_max_noise_std(std)
