@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.py))
 DEMO_NOTEBOOKS := 00_flows_2d 01_shortcut_bc 02_aw_shortcut 03_reinflow 04_flow_sde 05_ablation_report 06_steering
 
-.PHONY: install system-deps demo test unit nbval sync notebooks check-pairs clean
+.PHONY: install system-deps demo test unit nbval sync notebooks strip lab html check-pairs clean
 
 install: system-deps $(STAMP)
 
@@ -43,13 +43,33 @@ unit: install
 # Re-pair every notebook from its .py source (keeps the .ipynb outputs of unchanged cells).
 sync: install
 	$(PY) -m jupytext --sync $(NOTEBOOKS)
+	@$(MAKE) --no-print-directory strip
 
-# Re-execute the notebooks on their defaults and store the outputs as the nbval references.
+# Re-execute the notebooks on their defaults and store the outputs as the nbval references
+# (progress as plain lines, as in a headless run: flowlib/progress.py).
 notebooks: install
 	@for py in $(NOTEBOOKS); do \
 		echo "== executing $$py"; \
-		$(PY) -m jupytext --sync --execute $$py || exit 1; \
+		FLOWLIB_PROGRESS=lines $(PY) -m jupytext --sync --execute $$py || exit 1; \
 	done
+	@$(MAKE) --no-print-directory strip
+
+# What changes at every execution (timestamps, random cell ids, the Python patch version) out of the .ipynb.
+STRIP := --keep-output --keep-count --extra-keys "metadata.language_info.version"
+strip: install
+	$(VENV)/bin/nbstripout $(STRIP) $(NOTEBOOKS:.py=.ipynb)
+
+# JupyterLab on the repository; notebooks/*.py open as notebooks (jupytext), outputs kept in the paired .ipynb.
+LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings
+lab: install
+	@mkdir -p $(LAB_SETTINGS)
+	@echo '{"@jupyterlab/docmanager-extension:plugin": {"defaultViewers": {"python": "Jupytext Notebook"}}}' \
+		> $(LAB_SETTINGS)/overrides.json
+	$(VENV)/bin/jupyter lab --notebook-dir=. $$([ "$$(id -u)" = 0 ] && echo --allow-root) notebooks/00_flows_2d.py
+
+# The notebooks (reference outputs) as HTML pages under outputs/html/, equations rendered offline.
+html: install
+	$(PY) -m flowlib.export
 
 check-pairs: install
 	$(PY) -m pytest tests/test_notebooks.py

@@ -46,31 +46,31 @@ class AWShortCutConfig:
     """Parameters of notebook 02 (AW-ShortCut). Defaults are the small CPU run."""
 
     seed: NonNegativeInt = 0
-    stage1_checkpoint: str = ""         # relative to outputs/; "" = 01_shortcut_bc/default/best_model.pt
+    stage1_checkpoint: str = ""         # relative to outputs/; "" means 01_shortcut_bc/default/best_model.pt
     env_id: str = "PickCube-v1"
     num_demos: PositiveInt = 20
-    demo_file: str = ""
+    demo_file: str = ""  # an existing ManiSkill .h5 (state, pd_ee_delta_pos); "" means generate
     # data with contrast: stage-1 rollouts per exploration-noise level (std of N(0, s^2) on actions in [-1, 1])
-    rollout_episodes: PositiveInt = 6
-    rollout_noise_stds: list[NonNegativeFloat] = field(default_factory=lambda: [0.0, 0.3])
-    rollout_inference_steps: PositiveInt = 4
+    rollout_episodes: PositiveInt = 6  # stage-1 rollouts per noise level, added to the demos
+    rollout_noise_stds: list[NonNegativeFloat] = field(default_factory=lambda: [0.0, 0.3])  # action-noise std of each rollout batch (actions lie in [-1, 1])
+    rollout_inference_steps: PositiveInt = 4  # K of the stage-1 policy during the rollouts
     # critic
     critic: str = "iql"                 # "iql" or "mc"
     reward: str = "sparse"              # "sparse" (success) or "dense" (normalized_dense)
-    gamma: Fraction = 0.99
-    expectile: Fraction = 0.7
-    target_polyak: Fraction = 0.005
-    critic_hidden_dims: list[PositiveInt] = field(default_factory=lambda: [128, 128])
-    critic_lr: PositiveFloat = 3e-4
-    critic_steps: PositiveInt = 1000
-    critic_batch_size: PositiveInt = 256
-    holdout_fraction: Fraction = 0.25
+    gamma: Fraction = 0.99  # discount per env step
+    expectile: Fraction = 0.7  # IQL's expectile tau for V (0.5 is the mean)
+    target_polyak: Fraction = 0.005  # rate of the target critic's soft update
+    critic_hidden_dims: list[PositiveInt] = field(default_factory=lambda: [128, 128])  # hidden widths of the Q and V nets
+    critic_lr: PositiveFloat = 3e-4  # the critic's learning rate
+    critic_steps: PositiveInt = 1000  # critic gradient steps
+    critic_batch_size: PositiveInt = 256  # transitions per critic step
+    holdout_fraction: Fraction = 0.25  # share of episodes held out to score the critic
     # advantage weights
-    beta: PositiveFloat = 5.0
-    max_weight: PositiveFloat = 20.0
+    beta: PositiveFloat = 5.0  # inverse temperature of the weights exp(beta A)
+    max_weight: PositiveFloat = 20.0  # weights clipped at this value
     weighting: str = "exp"              # "exp" (clipped) or "softmax" (per batch of the whole dataset)
     # AW-ShortCut training (one run per training seed)
-    train_seeds: list[NonNegativeInt] = field(default_factory=lambda: [0])
+    train_seeds: list[NonNegativeInt] = field(default_factory=lambda: [0])  # one AW-ShortCut training run per seed
     train_steps: PositiveInt = 200
     batch_size: PositiveInt = 128
     lr: PositiveFloat = 3e-4
@@ -79,8 +79,8 @@ class AWShortCutConfig:
     ckpt_every: PositiveInt = 100
     keep_every: NonNegativeInt = 0      # also keep step_<N>.pt every keep_every steps (0: none)
     log_every: PositiveInt = 25
-    eval_every: NonNegativeInt = 0
-    select_inference_steps: PositiveInt = 4
+    eval_every: NonNegativeInt = 0  # evaluate every this many steps (0 means only at the end)
+    select_inference_steps: PositiveInt = 4  # K whose success_once picks best_model.pt
     eval_inference_steps: list[PositiveInt] = field(default_factory=lambda: [4])
     num_eval_episodes: PositiveInt = 4
     val_seed: NonNegativeInt = 10_000   # periodic evaluations (best_model.pt); as in notebook 01

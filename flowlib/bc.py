@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
-from tqdm import tqdm
 
+from . import progress
 from .config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields
 from .data import ChunkDataset, Episode, Normalizer
 from .envs import control_mode as task_control_mode
@@ -54,17 +54,17 @@ class ShortCutBCConfig:
     seed: NonNegativeInt = 0
     env_id: str = "PickCube-v1"
     num_demos: PositiveInt = 20
-    demo_file: str = ""                 # an existing ManiSkill .h5 (state, pd_ee_delta_pos); "" = generate
+    demo_file: str = ""                 # an existing ManiSkill .h5 (state, pd_ee_delta_pos); "" means generate
     obs_horizon: PositiveInt = 2
     pred_horizon: PositiveInt = 16
     act_horizon: PositiveInt = 8
     velocity_net: str = "unet"          # "unet" (1D temporal U-Net over the chunk) or "mlp" (one flat MLP, ReinFlow's)
     down_dims: list[PositiveInt] = field(default_factory=lambda: [32, 64])  # the U-Net's channel widths
     mlp_dims: list[PositiveInt] = field(default_factory=lambda: [256, 256, 256])  # the MLP's layer widths
-    emb_dim: PositiveInt = 32
+    emb_dim: PositiveInt = 32  # width of the time and step-size embeddings
     obs_emb_dim: NonNegativeInt = 0     # 0: the flat obs window conditions the U-Net; > 0: an MLP obs_encoder first
-    shortcut_max_steps: PositiveInt = 8  # d_min = 1 / shortcut_max_steps
-    bootstrap_fraction: Fraction = 0.25
+    shortcut_max_steps: PositiveInt = 8  # the finest ShortCut step d_min is 1 / shortcut_max_steps
+    bootstrap_fraction: Fraction = 0.25  # share of each batch given the ShortCut self-consistency target
     ema_decay: Fraction = 0.995
     train_steps: PositiveInt = 300
     batch_size: PositiveInt = 128
@@ -270,6 +270,7 @@ def evaluate(policy: FlowPolicy, env, num_episodes: int, num_inference_steps: in
     once, at_end, returns, frames, episodes = [], [], [], [], []
     flags_once: dict[str, list[bool]] = {}
     t0, steps, policy_time = time.time(), 0, 0.0
+    bar = progress.bar(num_episodes, "evaluating", unit="episode", leave=False)
     for first in range(0, num_episodes, env.num_envs):
         seeds = list(range(seed + first, seed + first + env.num_envs))
         obs = env.reset(seed=seeds)  # a list: physx_cuda too seeds env i with seeds[i] (an int seeds only env 0)
@@ -318,6 +319,8 @@ def evaluate(policy: FlowPolicy, env, num_episodes: int, num_inference_steps: in
             flags_once.setdefault(name, []).extend(flag[:n].tolist())
         if record:
             episodes += _episodes_from_trace(trace, seeds)
+        bar.update(n)
+    bar.close()
     wall = time.time() - t0
     out = {"success_once": float(np.mean(once)), "success_at_end": float(np.mean(at_end)),
            "return": float(np.mean(returns)), "episodes": len(once), "per_episode_success_once": once,
@@ -405,8 +408,8 @@ def train(cfg, dataset: ChunkDataset, run_path: Path, tracker=None, env=None,
             raise ValueError("weights must be finite and >= 0: check the critic's advantages and beta")
         weights = weights.to(device)
     policy.train()
-    bar = tqdm(total=cfg.train_steps, initial=step, desc="ShortCut BC" if weights is None else "AW-ShortCut",
-               mininterval=10)
+    bar = progress.bar(cfg.train_steps, "ShortCut BC" if weights is None else "AW-ShortCut", initial=step,
+                       unit="step")
     while step < cfg.train_steps:
         idx = torch.randint(0, len(obs_all), (cfg.batch_size,))
         loss, info = policy.flow.loss(act_all[idx], obs_all[idx], weight=None if weights is None else weights[idx])

@@ -56,7 +56,7 @@ def validate(cls: type[T], values: Mapping[str, Any], source: str = "parameters"
     if unknown:
         hints, renamed = [], getattr(cls, "RENAMED", {})  # old name -> new name
         for k in unknown:
-            close = [renamed[k]] if k in renamed else difflib.get_close_matches(k, allowed, n=1)
+            close = [renamed[k]] if k in renamed else closest(k, allowed)
             hints.append(f"{k!r}" + (f" (renamed {close[0]!r})" if k in renamed else
                                      f" (did you mean {close[0]!r}?)" if close else ""))
         raise ConfigError(
@@ -70,6 +70,24 @@ def validate(cls: type[T], values: Mapping[str, Any], source: str = "parameters"
         return cls(**clean)
     except ValueError as err:  # a check across fields, in the dataclass's __post_init__
         raise ConfigError(f"{source}: {err}") from err
+
+
+# Abbreviations in field names, spelled out when a mistyped key is matched (``actor_lerning_rate`` -> ``actor_lr``).
+_ABBREVIATIONS = {"lr": "learning_rate", "ckpt": "checkpoint", "obs": "observation", "eval": "evaluation",
+                  "coef": "coefficient", "ent": "entropy", "vf": "value_function", "adv": "advantage",
+                  "num": "number", "dims": "dimensions", "std": "standard_deviation"}
+
+
+def _spelled_out(name: str) -> str:
+    return "_".join(_ABBREVIATIONS.get(w, w) for w in name.split("_"))
+
+
+def closest(key: str, allowed: list[str]) -> list[str]:
+    """The allowed name a mistyped ``key`` most likely meant (``[]`` if none is close), compared with the
+    abbreviations in both spelled out, so that ``actor_lerning_rate`` finds ``actor_lr``."""
+    spelled = {_spelled_out(a): a for a in allowed}
+    match = difflib.get_close_matches(_spelled_out(key), list(spelled), n=1, cutoff=0.7)
+    return [spelled[match[0]]] if match else difflib.get_close_matches(key, allowed, n=1)
 
 
 def check_fields(cfg) -> None:
@@ -92,7 +110,8 @@ def _checked(cls, values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]
             first = err.errors()[0]  # "Input should be greater than 0", at loc (1,) of a list
             item = "".join(f"[{i!r}]" for i in first["loc"])
             should = first["msg"].replace("Input should", "should", 1)
-            problems.append(f"{key!r}{item} = {first['input']!r}: {should} (expected {_type_name(hint)})")
+            problems.append(f"{key!r}{item} = {first['input']!r}: {should} (expected {_type_name(hint)})"
+                            + _list_hint(key, hint, value))
     return clean, problems
 
 
@@ -100,6 +119,16 @@ def _checked(cls, values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]
 def _adapter(cls, key: str):
     hint = typing.get_type_hints(cls, include_extras=True)[key]
     return TypeAdapter(hint, config=_FINITE), hint
+
+
+def _list_hint(key: str, hint, value) -> str:
+    """How to pass a list, when one arrived as a string (papermill's ``-p`` passes every value as a string)."""
+    base = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
+    if typing.get_origin(base) is not list or not isinstance(value, str):
+        return ""
+    items = value.strip("[]") or "..."
+    return (f"; a list given as text: write -p '{key}=[{items}]' for python -m flowlib.run, "
+            f"or -y '{key}: [{items}]' for papermill (its -p passes strings)")
 
 
 def _type_name(tp) -> str:
@@ -130,8 +159,17 @@ _Loader.add_implicit_resolver(
 )
 
 
-def parse_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)
+def parse_yaml(text: str, source: str = "value") -> Any:
+    """YAML as parameter files use it; text that is not valid YAML is a ``ConfigError`` naming ``source`` and
+    the line and column where the parser stopped."""
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        what = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{source} is not valid YAML{where}: {what}; check the brackets and quotes there"
+                          ) from None
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -139,7 +177,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"parameter file {path} does not exist; see params/ for the available ones")
-    data = parse_yaml(path.read_text()) or {}
+    data = parse_yaml(path.read_text(), source=f"parameter file {path}") or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of parameter names to values, got {type(data).__name__}")
     return data
@@ -163,16 +201,46 @@ def from_globals(cls: type[T], namespace: Mapping[str, Any]) -> T:
     return validate(cls, values, source="notebook parameters")
 
 
+# The help of parameters that several notebooks share, unless a class's own comment says more.
+COMMON_HELP = {
+    "seed": "seed of torch and of the run's random draws",
+    "env_id": "the task: a ManiSkill id (PickCube-v1) or a fast torch task (FastReach-v0, FastPush-v0)",
+    "num_demos": "demonstrations to clone (generated once, then cached)",
+    "obs_horizon": "observations the policy conditions on (T_o)",
+    "pred_horizon": "actions per predicted chunk (H)",
+    "act_horizon": "actions of each chunk executed before replanning (T_a)",
+    "ema_decay": "decay of the weights' exponential moving average (the evaluated policy)",
+    "train_steps": "gradient steps",
+    "batch_size": "samples per gradient step",
+    "lr": "peak learning rate (AdamW, cosine decay)",
+    "weight_decay": "AdamW weight decay",
+    "warmup_steps": "linear learning-rate warm-up steps",
+    "ckpt_every": "write last.pt every this many steps (a run resumes from it)",
+    "log_every": "log the losses every this many steps",
+    "eval_every": "evaluate every this many steps (0 means only at the end)",
+    "eval_inference_steps": "integration steps K at which the final report evaluates",
+    "num_eval_episodes": "held-out episodes per evaluation",
+    "num_envs": "parallel envs",
+    "max_episode_steps": "env steps per episode",
+    "backend": "auto, physx_cpu or physx_cuda (a fast task maps them to torch_cpu or torch_cuda)",
+    "num_threads": "torch CPU threads (0 means torch's default)",
+    "resume": "go on from the run folder's last.pt when there is one",
+    "run_name": "the run folder, outputs/<notebook>/<run_name>",
+    "wandb_mode": "disabled, offline (a local W&B run) or online",
+}
+
+
 def field_help(cls) -> dict[str, str]:
     """Each field's one-line help: the comment after its declaration in the class, or in the nearest base class
-    that has one (a subclass that only changes defaults keeps its bases' help)."""
+    that has one (a subclass that only changes defaults keeps its bases' help), else ``COMMON_HELP``'s."""
     out: dict[str, str] = {}
     for klass in cls.__mro__:
         if not dataclasses.is_dataclass(klass):
             continue
         for m in re.finditer(r"^    (\w+): [^=\n]+=[^\n#]*#\s*(.+)$", inspect.getsource(klass), re.M):
             out.setdefault(m.group(1), m.group(2).strip())
-    return out
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {**{k: v for k, v in COMMON_HELP.items() if k in names}, **out}
 
 
 def type_name(cls, name: str) -> str:
@@ -191,9 +259,17 @@ def parameter_lines(cls, values: Mapping[str, Any]) -> list[str]:
     annotated and documented as ``papermill --help-notebook`` shows them."""
     helps = field_help(cls)
 
+    def text(v):  # Python source, strings in double quotes as the notebooks write them
+        if isinstance(v, str) and '"' not in v:
+            return f'"{v}"'
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(map(text, v)) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{text(k)}: {text(x)}" for k, x in v.items()) + "}"
+        return repr(v)
+
     def line(k, v):
-        text = f'"{v}"' if isinstance(v, str) and '"' not in v else repr(v)
-        return f"{k}: {type_name(cls, k)} = {text}" + (f"  # {helps[k]}" if helps.get(k) else "")
+        return f"{k}: {type_name(cls, k)} = {text(v)}" + (f"  # {helps[k]}" if helps.get(k) else "")
     return [line(k, v) for k, v in values.items()]
 
 

@@ -35,8 +35,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from tqdm import tqdm
 
+from . import progress
 from .data import ChunkDataset, Episode, Normalizer
 from .nets import mlp
 
@@ -264,7 +264,7 @@ def train_critic(critic: ChunkCritic, data: ChunkTransitions, steps: int, batch_
     optimizer = torch.optim.Adam(params, lr=lr)
     rows = []
     critic.train()
-    for step in tqdm(range(1, steps + 1), desc=f"critic ({critic.kind})", mininterval=10):
+    for step in progress.bar(iterable=range(1, steps + 1), desc=f"critic ({critic.kind})", unit="step"):
         idx = torch.randint(0, len(data), (batch_size,), generator=gen)
         losses = critic.losses(data.subset(idx))
         total = sum(losses.values())

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from . import progress
 from .envs import DEFAULT_CONTROL_MODE, check_env_id, clear_grasp_at_reset, is_fast
 from .envs import control_mode as task_control_mode
 from .fast_envs import FAST_TASKS, demonstrate
@@ -121,9 +124,21 @@ def scripted_demos(env_id: str, num_demos: int, first_seed: int = 0, num_envs: i
 
 
 def _run(cmd: list[str], what: str) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{what} failed ({' '.join(cmd[:4])} ...):\n{proc.stderr[-3000:]}")
+    """Run one of ManiSkill's tools; its progress (the last of its tqdm redraws) is shown every
+    ``progress.LINE_INTERVAL_S`` as ``motion planning: 37/150 ...``, its errors end in a ``RuntimeError``."""
+    progress.say(f"{what}: {' '.join(Path(c).name if c == sys.executable else c for c in cmd[:4])} ...")
+    t0, shown, tail = time.time(), time.time(), ""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    for chunk in iter(lambda: proc.stderr.read1(4096), b""):
+        tail = (tail + chunk.decode(errors="replace"))[-3000:]
+        if time.time() - shown >= progress.LINE_INTERVAL_S:
+            last = [p.strip() for p in re.split(r"[\r\n]", tail) if p.strip()]
+            if last:
+                progress.say(f"{what}: {last[-1][:160]}")
+            shown = time.time()
+    if proc.wait() != 0:
+        raise RuntimeError(f"{what} failed ({' '.join(cmd[:4])} ...):\n{tail}")
+    progress.say(f"{what}: done in {time.time() - t0:.0f} s")
 
 
 def load_demos(path: str | Path, control_mode: str | None = None, max_episodes: int | None = None) -> list[Episode]:

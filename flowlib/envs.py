@@ -114,6 +114,7 @@ def _make_cpu_env(env_id, obs_mode, control_mode, reward_mode, max_episode_steps
     torch.set_num_threads(1)  # a worker only steps physics; idle torch threads would compete for cores
     env = gym.make(env_id, obs_mode=obs_mode, control_mode=control_mode, reward_mode=reward_mode,
                    sim_backend="physx_cpu", render_mode="rgb_array" if render else None,
+                   render_backend="sapien_cuda" if torch.cuda.is_available() else "sapien_cpu",  # no fallback warning
                    max_episode_steps=max_episode_steps, reconfiguration_freq=1 if fresh_scene else None)
     return _restorable_wrapper()(CPUGymWrapper(env, ignore_terminations=True))
 

@@ -30,9 +30,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 
-from . import bc, loop, stage3
+from . import bc, loop, progress, stage3
 from .reinflow_agent import ReinFlowAgent
 from .envs import make_env, resolve_backend
 from .metrics import paired_means, success_rates
@@ -94,7 +93,7 @@ def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, 
     results = {}
     with make_env(env_ids.pop(), num_envs, control_mode=modes.pop(), backend=backend,
                   max_episode_steps=max_episode_steps, fresh_scene=fresh_scene) as env:
-        for path, (policy, meta) in tqdm(loaded.items(), desc="checkpoints"):
+        for path, (policy, meta) in progress.bar(iterable=loaded.items(), total=len(loaded), desc="checkpoints"):
             bc.check_compatible(meta, env.spec)
             explores = noisy and isinstance(policy, ReinFlowAgent)
             for ah in horizons:

@@ -24,9 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
-from . import bc
+from . import bc, progress
 from .config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from .runs import load_torch, rng_state, save_torch, set_rng_state
 from .smdp import REACH_ENVS, REWARDS, ChunkRunner
@@ -291,7 +290,7 @@ def train(cfg: RunConfig, agent, learner, env, run_path: Path, tracker=None) -> 
     start, runner, best = resume(cfg, agent, run_path / "last.pt", learner, env, tracker)
     trained_before = tracker.rows[-1]["wall_time"] if tracker is not None and tracker.rows else 0.0
     learner.start(runner, torch.Generator().manual_seed(cfg.seed * 100_003 + start))
-    bar = tqdm(total=num_iters, initial=start, desc=learner.name, mininterval=10)
+    bar = progress.bar(num_iters, learner.name, initial=start, unit="iteration")
     for iteration in range(start, num_iters):
         max_std = noise_schedule(cfg.noise_schedule, runner.env_steps / max(cfg.noise_decay_steps, 1),
                                  cfg.max_noise_std, cfg.final_noise_std)

@@ -39,16 +39,16 @@ class FlowSDEConfig:
 
     seed: NonNegativeInt = 0
     # 2D: the SDE family against the ODE
-    noise_levels: list[NonNegativeFloat] = field(default_factory=lambda: [0.2, 0.5, 1.0])
+    noise_levels: list[NonNegativeFloat] = field(default_factory=lambda: [0.2, 0.5, 1.0])  # SDE noise levels a compared with the ODE
     marginal_steps: PositiveInt = 100      # K of the marginal check
-    marginal_samples: PositiveInt = 4000
-    logprob_steps: list[PositiveInt] = field(default_factory=lambda: [2, 4, 8, 16, 32])
+    marginal_samples: PositiveInt = 4000  # samples per marginal comparison
+    logprob_steps: list[PositiveInt] = field(default_factory=lambda: [2, 4, 8, 16, 32])  # chain lengths K of the log-probability table
     reflow_train_steps: PositiveInt = 1500  # the trained 2D model (notebook 00's ReFlow on two_moons)
     # PickCube: noise methods at an equal env-step budget
-    init_checkpoint: str = ""              # stage-1/2 best_model.pt under outputs/; "" = 01_shortcut_bc/default
-    methods: list[str] = field(default_factory=lambda: ["reinflow", "flow_noise", "flow_sde", "flow_sde+hybrid"])
-    seeds: list[NonNegativeInt] = field(default_factory=lambda: [0])
-    finetune: dict = field(default_factory=lambda: {
+    init_checkpoint: str = ""              # stage-1/2 best_model.pt under outputs/; "" means 01_shortcut_bc/default
+    methods: list[str] = field(default_factory=lambda: ["reinflow", "flow_noise", "flow_sde", "flow_sde+hybrid"])  # noise methods fine-tuned on PickCube (reinflow, flow_noise, flow_sde, flow_sde+hybrid)
+    seeds: list[NonNegativeInt] = field(default_factory=lambda: [0])  # one fine-tuning run per method and seed
+    finetune: dict = field(default_factory=lambda: {  # notebook 03's parameters shared by every method's run
         "num_envs": 2, "num_inference_steps": 4, "total_env_steps": 256, "rollout_steps": 8, "update_epochs": 2,
         "minibatch_size": 16, "critic_warmup_steps": 0, "eval_every": 0, "num_eval_episodes": 4,
         "max_episode_steps": 100, "value_hidden_dims": [64, 64]})
@@ -68,6 +68,11 @@ class FlowSDEConfig:
             if key in self.finetune:
                 raise ConfigError(f"finetune: {key!r} is set by the comparison itself; remove it from finetune")
         self.finetune_config("reinflow", 0)  # unknown or badly typed finetune keys fail now, not mid-run
+
+    @property
+    def env_id(self) -> str:
+        """The task of the PickCube comparison (``finetune``'s ``env_id``, else stage 3's default)."""
+        return self.finetune.get("env_id", stage3.Stage3Config.env_id)
 
     def finetune_config(self, method: str, seed: int) -> stage3.Stage3Config:
         """The ``Stage3Config`` of one comparison run: ``finetune`` + the method's overrides + the seed."""

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from .config import ConfigError, load_yaml, parse_yaml, validate
-from .runs import REPO_ROOT, check_run_name, run_dir
+from .progress import LINES, PROGRESS_ENV
+from .runs import REPO_ROOT, check_run_name, run_dir, shown
 
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 
@@ -33,12 +35,13 @@ NOTEBOOK_CONFIGS = {
 }
 
 
-# notebook -> the checkpoint it starts from ("module:function", config -> path; FileNotFoundError saying how to make it)
+# notebook -> the parameter naming the checkpoint it starts from, and the function from config to that path
+# ("module:function"; FileNotFoundError saying how to make it)
 NOTEBOOK_INPUTS = {
-    "02_aw_shortcut": "flowlib.awsc:stage1_checkpoint_path",
-    "03_reinflow": "flowlib.stage3:init_checkpoint_path",
-    "06_steering": "flowlib.stage3:init_checkpoint_path",
-    "04_flow_sde": "flowlib.pirl:init_checkpoint_path",
+    "02_aw_shortcut": ("stage1_checkpoint", "flowlib.awsc:stage1_checkpoint_path"),
+    "03_reinflow": ("init_checkpoint", "flowlib.stage3:init_checkpoint_path"),
+    "06_steering": ("init_checkpoint", "flowlib.stage3:init_checkpoint_path"),
+    "04_flow_sde": ("init_checkpoint", "flowlib.pirl:init_checkpoint_path"),
 }
 
 # notebook -> a check of its parameters against the files they name ("module:function", config -> problem or "")
@@ -65,7 +68,7 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
         if "=" not in pair:
             raise ConfigError(f"override {pair!r} must look like key=value")
         key, value = pair.split("=", 1)
-        out[key.strip()] = parse_yaml(value)
+        out[key.strip()] = parse_yaml(value, source=f"-p {key.strip()}={value}")
     return out
 
 
@@ -77,7 +80,7 @@ def resolve_parameters(notebook: str, params_file: str | None = None, overrides:
     if run_name is not None:
         values["run_name"] = run_name
     elif params_file and "run_name" not in values:
-        values["run_name"] = Path(params_file).stem
+        values["run_name"] = params_run_name(params_file)
     cfg = validate(config_class(notebook), values, source=params_file or "overrides")
     try:
         check_run_name(cfg.run_name)
@@ -86,27 +89,64 @@ def resolve_parameters(notebook: str, params_file: str | None = None, overrides:
     return values
 
 
+def params_run_name(params_file: str | Path) -> str:
+    """The run folder a params file names: its path under ``params/<notebook>/`` without ``.yaml``, ``/`` as ``-``
+    (``params/03_reinflow/ablations/baseline.yaml`` -> ``ablations-baseline``); a file elsewhere, its stem."""
+    path = Path(params_file).resolve().with_suffix("")
+    try:
+        return "-".join(path.relative_to(REPO_ROOT / "params").parts[1:])
+    except ValueError:
+        return path.name
+
+
 def preflight(notebook: str, parameters: dict[str, Any], require_inputs: bool = True) -> str:
     """Why these (valid) parameters cannot run, from the files they name ("" if they can or nobody checks).
     ``require_inputs=False`` lets a start checkpoint be missing: a sweep may be planned before stage 1 ran."""
     cfg = validate(config_class(notebook), parameters)
-    if require_inputs and notebook in NOTEBOOK_INPUTS:
+    if notebook in NOTEBOOK_INPUTS:
+        key, path_of = NOTEBOOK_INPUTS[notebook]
         try:
-            _function(NOTEBOOK_INPUTS[notebook])(cfg)
+            problem = start_checkpoint_problem(_function(path_of)(cfg), key, cfg.env_id)
         except FileNotFoundError as err:
-            return str(err)
+            problem = str(err) if require_inputs else ""
+        if problem:
+            return problem
     return _function(NOTEBOOK_PREFLIGHT[notebook])(cfg) if notebook in NOTEBOOK_PREFLIGHT else ""
 
 
-def execute(notebook: str, parameters: dict[str, Any], kernel: str = "python3", log_output: bool = False) -> Path:
-    """Execute ``notebooks/<notebook>.ipynb`` with ``parameters``; return the executed copy's path."""
+def start_checkpoint_problem(path: Path, key: str, env_id: str) -> str:
+    """Why the flow-policy checkpoint ``path`` (parameter ``key``) cannot start a run on ``env_id`` ("" if it can):
+    not a torch file, not a stage-1/2 policy, or a policy of another task."""
+    from .bc import read_checkpoint
+
+    try:
+        meta = read_checkpoint(path)["meta"]
+    except ValueError as err:
+        return f"{key}: {err}"
+    if meta["env_id"] != env_id:
+        return (f"{key}: {path} is a policy for {meta['env_id']}, this run is for {env_id}: set env_id: "
+                f"{meta['env_id']} or point {key} at a {env_id} policy")
+    return ""
+
+
+# The kernel's own start-up warning about TCP transport (papermill's kernels talk over localhost) is noise in
+# every run's terminal; the kernel logs errors only.
+KERNEL_ARGUMENTS = ["--IPKernelApp.log_level=ERROR"]
+
+
+def execute(notebook: str, parameters: dict[str, Any], kernel: str = "python3", stream: bool = True) -> Path:
+    """Execute ``notebooks/<notebook>.ipynb`` with ``parameters``; return the executed copy's path.  With
+    ``stream``, what the notebook prints (stage lines, ``flowlib.progress`` lines) is shown here as it runs."""
     import papermill as pm
 
     cfg = validate(config_class(notebook), parameters)
     out_dir = run_dir(notebook, cfg.run_name)
     out_path = out_dir / f"{notebook}.ipynb"
+    os.environ[PROGRESS_ENV] = LINES  # the kernel inherits it: progress as lines, which papermill streams
+    streams = dict(stdout_file=sys.stdout, stderr_file=sys.stderr) if stream else {}
     pm.execute_notebook(str(NOTEBOOKS_DIR / f"{notebook}.ipynb"), str(out_path), parameters=parameters,
-                        kernel_name=kernel, cwd=str(NOTEBOOKS_DIR), log_output=log_output, progress_bar=False)
+                        kernel_name=kernel, cwd=str(NOTEBOOKS_DIR), progress_bar=False,
+                        extra_arguments=KERNEL_ARGUMENTS, **streams)
     return out_path
 
 
@@ -118,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-p", "--set", action="append", default=[], metavar="KEY=VALUE", help="override one parameter")
     ap.add_argument("--run-name", help="folder under outputs/<notebook>/ (default: the params file's stem, else 'default')")
     ap.add_argument("--kernel", default="python3")
-    ap.add_argument("--log-output", action="store_true", help="stream the notebook's output here")
+    ap.add_argument("--quiet", action="store_true", help="do not show the notebook's output here as it runs")
     args = ap.parse_args(argv)
     try:
         params = resolve_parameters(args.notebook, args.params, parse_overrides(args.set), args.run_name)
@@ -128,8 +168,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    out = execute(args.notebook, params, kernel=args.kernel, log_output=args.log_output)
-    print(f"{args.notebook}: done -> {out.parent}")
+    print(f"{args.notebook}: run folder {shown(run_dir(args.notebook, params['run_name']))}", flush=True)
+    try:
+        out = execute(args.notebook, params, kernel=args.kernel, stream=not args.quiet)
+    except Exception as err:  # papermill's PapermillExecutionError: the cell that failed, kept in the copy
+        if type(err).__name__ != "PapermillExecutionError":
+            raise
+        copy = shown(run_dir(args.notebook, params["run_name"]) / f"{args.notebook}.ipynb")
+        print(f"error: {args.notebook} stopped at cell {err.exec_count} with {err.ename}: {err.evalue}; "
+              f"the traceback is in {copy}", file=sys.stderr)
+        return 1
+    print(f"{args.notebook}: done -> {shown(out.parent)}")
     return 0
 
 

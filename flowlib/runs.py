@@ -37,6 +37,13 @@ def run_dir(notebook: str, run_name: str) -> Path:
     return path
 
 
+def shown(path: Path) -> str:
+    """``path`` as a reader finds it: relative to the repository when inside it (``outputs/01_shortcut_bc/default``),
+    else absolute (a ``FLOWLIB_OUTPUTS`` root elsewhere)."""
+    path = Path(path).resolve()
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+
+
 def policy_checkpoint(value: str, key: str) -> Path:
     """The stage-1/2 ``best_model.pt`` a parameter ``key`` names: absolute, or relative to the outputs
     root (``01_shortcut_bc/cpu/best_model.pt``); empty means notebook 01's default run."""
@@ -65,12 +72,20 @@ def _how_to_make(path: Path) -> str:
     return "run notebook 01 first (python -m flowlib.run 01_shortcut_bc)"
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it; put it straight back
+    os.umask(mask)
+    return mask
+
+
 def _atomic_write(path: Path, write) -> Path:
-    """Write to a temporary file in the same folder, then rename over ``path`` (atomic on POSIX)."""
+    """Write to a temporary file in the same folder, then rename over ``path`` (atomic on POSIX).  The file gets
+    the mode an ``open()`` would give it (0666 less the process umask), not ``mkstemp``'s private 0600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -149,12 +164,42 @@ def load_torch(path: Path, missing: str) -> Any:
 
 
 def save_figure(fig, run_path: Path, name: str, dpi: int = 110) -> Path:
-    """Save a matplotlib figure as ``<run>/<name>.png``."""
+    """Save a matplotlib figure as ``<run>/<name>.png``, after ``check_figure``: every axis with a scale is
+    labelled, and a plot whose values are all zero says so (on the small defaults a success of 0 is a result, not
+    a broken plot)."""
     import io
 
+    problems = check_figure(fig)
+    if problems:
+        raise ValueError(f"figure {name!r}: " + "; ".join(problems))
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
     return _atomic_write(Path(run_path) / f"{name}.png", lambda f: f.write(buf.getvalue()))
+
+
+def check_figure(fig) -> list[str]:
+    """What a reader of ``fig`` would miss: an axis with tick labels but no label (its own, or that of an axes
+    sharing it); and it writes the values on bars that are all zero and a note on axes whose lines are all zero."""
+    import numpy as np
+
+    problems = []
+    for ax in fig.axes:
+        if not ax.axison or ax.images or not (ax.lines or ax.patches or ax.collections):
+            continue  # a picture (frames), an empty panel, a colourbar
+        title = ax.get_title() or ax.get_label() or f"axes {fig.axes.index(ax)}"
+        for which, ticks, label, shared in (("x", ax.get_xticks(), ax.get_xlabel, ax.get_shared_x_axes()),
+                                            ("y", ax.get_yticks(), ax.get_ylabel, ax.get_shared_y_axes())):
+            labelled = any((a.get_xlabel if which == "x" else a.get_ylabel)() for a in shared.get_siblings(ax))
+            if len(ticks) and not label() and not labelled:
+                problems.append(f"{title!r} has no {which} label (ax.set_{which}label)")
+        bars = [c for c in ax.containers if hasattr(c, "datavalues")]
+        if bars and all(np.allclose(c.datavalues, 0) for c in bars):
+            for c in bars:
+                ax.bar_label(c, fmt="%.2f", fontsize=8)
+        ys = [np.asarray(line.get_ydata(), dtype=float) for line in ax.lines if len(line.get_ydata())]
+        if ys and not bars and all(np.allclose(y, 0) for y in ys):
+            ax.text(0.5, 0.5, "all values are 0", transform=ax.transAxes, ha="center", va="center", color="0.4")
+    return problems
 
 
 def _jsonable(x):

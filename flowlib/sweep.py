@@ -31,6 +31,7 @@ import os
 import queue
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -38,18 +39,18 @@ from pathlib import Path
 
 from .config import ConfigError, Fraction, NonNegativeInt, check_fields, load_yaml
 from .run import config_class, parse_overrides, preflight, resolve_parameters
-from .runs import REPO_ROOT, outputs_root, read_metrics, save_json
+from .runs import REPO_ROOT, outputs_root, read_metrics, save_json, shown
 
 
 @dataclass
 class SweepReportConfig:
     """Parameters of notebook 05 (the sweep report)."""
 
-    sweep_dir: str = ""                 # relative to outputs/ (e.g. 03_reinflow/ablations); "" = run the smoke sweep
-    smoke_params: str = "params/03_reinflow/smoke"
-    seeds: list[NonNegativeInt] = field(default_factory=lambda: [0])
-    success_level: Fraction = 0.9
-    metric: str = "train/success_once"
+    sweep_dir: str = ""                 # relative to outputs/ (e.g. 03_reinflow/ablations); "" runs the smoke sweep
+    smoke_params: str = "params/03_reinflow/smoke"  # folder of params files the smoke sweep runs when sweep_dir is empty
+    seeds: list[NonNegativeInt] = field(default_factory=lambda: [0])  # seeds of the smoke sweep
+    success_level: Fraction = 0.9  # success a run must reach to count as solved (time-to-level column)
+    metric: str = "train/success_once"  # the logged column the report compares
     run_name: str = "default"
 
     def __post_init__(self):
@@ -147,18 +148,24 @@ def record_unstartable(job: Job) -> dict:
 
 
 def run_local(jobs: list[Job], notebook: str, gpus: list[str], max_jobs: int = 1) -> list[dict]:
-    """At most one job per GPU (or ``max_jobs`` CPU jobs) at a time, from a pool of free devices."""
+    """At most one job per GPU (or ``max_jobs`` CPU jobs) at a time, from a pool of free devices.  Each start and
+    end is a line (``[3/66 done] lr_1e-4_3e-4/s1 (412.0s)``); a job's own progress streams to its ``job.log``."""
     slots: queue.Queue = queue.Queue()
     for g in (gpus or [None] * max_jobs):
         slots.put(g)
+    ended, lock = [0], threading.Lock()
 
     def one(job: Job) -> dict:
         gpu = slots.get()
         try:
+            print(f"[start] {job.name}" + (f" on GPU {gpu}" if gpu is not None else "")
+                  + f", progress in {shown(Path(job.out_dir) / 'job.log')}", flush=True)
             row = run_job(job, notebook, gpu)
         finally:
             slots.put(gpu)
-        print(f"[{row['status']}] {job.name} ({row['wall_s']}s)", flush=True)
+        with lock:
+            ended[0] += 1
+            print(f"[{ended[0]}/{len(jobs)} {row['status']}] {job.name} ({row['wall_s']}s)", flush=True)
         return row
 
     with ThreadPoolExecutor(max_workers=slots.qsize()) as pool:

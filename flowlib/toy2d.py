@@ -5,9 +5,9 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from tqdm import tqdm
 
-from .config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields
+from . import progress
+from .config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields, require
 from .flows import METHODS, FlowModel, MeanFlow, MeanFlowTimes, ReFlow, ShortCut
 from .nets import ConditionalMLP
 
@@ -78,21 +78,21 @@ class Flows2DConfig:
     """Parameters of notebook 00 (2D flows). Defaults are the small CPU run."""
 
     seed: NonNegativeInt = 0
-    targets: list[str] = field(default_factory=lambda: ["two_moons", "checkerboard"])
-    methods: list[str] = field(default_factory=lambda: ["reflow", "meanflow", "shortcut"])
+    targets: list[str] = field(default_factory=lambda: ["two_moons", "checkerboard"])  # 2D data sets to fit (two_moons, checkerboard, ...)
+    methods: list[str] = field(default_factory=lambda: ["reflow", "meanflow", "shortcut"])  # flow models to compare; reflow is the baseline and must be listed
     train_steps: PositiveInt = 3000
     batch_size: PositiveInt = 256
     lr: PositiveFloat = 3e-3
-    hidden: PositiveInt = 128
-    depth: PositiveInt = 3
+    hidden: PositiveInt = 128  # width of the velocity MLP's hidden layers
+    depth: PositiveInt = 3  # hidden layers of the velocity MLP
     emb_scale: PositiveFloat = 10.0         # time-embedding scale (1000 makes MeanFlow's du/dt stiff)
     ema_decay: Fraction = 0.99              # also ShortCut's teacher: slower EMAs starve the doubling chain
-    meanflow_share_distinct: Fraction = 0.25  # share of (t, s) pairs with s != t
+    meanflow_share_distinct: Fraction = 0.25  # share of (t, s) pairs with s and t apart
     meanflow_adaptive_p: NonNegativeFloat = 0.5  # adaptive loss weight 1 / (||err||^2 + eps)^p
-    shortcut_bootstrap_fraction: Fraction = 0.25
-    shortcut_max_steps: PositiveInt = 128
-    eval_steps: list[PositiveInt] = field(default_factory=lambda: [1, 2, 4, 8, 128])
-    eval_samples: PositiveInt = 4000
+    shortcut_bootstrap_fraction: Fraction = 0.25  # share of each batch given the self-consistency target
+    shortcut_max_steps: PositiveInt = 128  # finest ShortCut step is 1 / shortcut_max_steps
+    eval_steps: list[PositiveInt] = field(default_factory=lambda: [1, 2, 4, 8, 128])  # numbers of integration steps K at which samples are scored
+    eval_samples: PositiveInt = 4000  # samples per score (sliced Wasserstein-1 against held-out data)
     run_name: str = "default"
     wandb_mode: str = "disabled"
 
@@ -104,6 +104,10 @@ class Flows2DConfig:
         for name in self.methods:
             if name not in METHODS:
                 raise ValueError(f"unknown method {name!r}; choose from {sorted(METHODS)}")
+        require([("reflow" in self.methods, f"methods = {self.methods} lacks 'reflow', the multi-step baseline the "
+                  "notebook measures the others against: add it (e.g. methods: [reflow, shortcut])"),
+                  (len(set(self.methods)) == len(self.methods) and len(set(self.targets)) == len(self.targets),
+                   "methods and targets must not repeat a name")])
 
 
 def build_model(method: str, cfg: Flows2DConfig) -> FlowModel:
@@ -121,16 +125,17 @@ def build_model(method: str, cfg: Flows2DConfig) -> FlowModel:
 
 
 def train_2d(model: FlowModel, target: str, cfg: Flows2DConfig, tracker=None, desc: str = "",
-             progress: tqdm | None = None) -> list[float]:
+             bar=None) -> list[float]:
     """Fit ``model`` to fresh samples of ``target`` each step (AdamW, cosine LR); returns the losses.
 
-    Progress goes to ``progress`` (a shared tqdm bar) if given, else to a bar of its own.
+    Progress goes to ``bar`` (a shared ``flowlib.progress.bar``) if given, else to a bar of its own.
     """
     torch.manual_seed(cfg.seed)
     opt = torch.optim.AdamW(model.net.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.train_steps)
     losses = []
-    bar = progress or tqdm(total=cfg.train_steps, desc=desc or target, mininterval=5)
+    own = bar is None
+    bar = progress.bar(cfg.train_steps, desc or target, unit="step") if own else bar
     for step in range(cfg.train_steps):
         x1 = TARGETS[target](cfg.batch_size)
         loss, info = model.loss(x1)
@@ -143,6 +148,6 @@ def train_2d(model: FlowModel, target: str, cfg: Flows2DConfig, tracker=None, de
         bar.update()
         if tracker is not None and step % 100 == 0:
             tracker.log({f"{desc}/{k}": v for k, v in info.items()}, step)
-    if progress is None:
+    if own:
         bar.close()
     return losses

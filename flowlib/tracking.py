@@ -23,6 +23,9 @@ WANDB_MODES = ("disabled", "offline", "online")
 class Tracker:
     """``log(metrics, step)`` appends to ``metrics.jsonl`` (and W&B); ``finish()`` writes ``metrics.csv``.
 
+    ``step`` may start again (notebook 00 logs a curve per target and method); W&B, which drops any row whose
+    step goes back, gets it as a field named ``step`` and counts its rows itself.
+
     With ``resume=True`` an existing ``metrics.jsonl`` is kept and extended (a resumed run), and ``wall_time``
     goes on from its last row: a learning curve against wall time counts the time spent training, not the
     time the run lay stopped.
@@ -50,6 +53,7 @@ class Tracker:
                                   "`pip install wandb`, or set wandb_mode='disabled'") from err
             self.wandb_run = wandb.init(project=project, name=name or self.run_path.name, config=config or {},
                                         mode=wandb_mode, dir=str(self.run_path), reinit="finish_previous")
+            self.wandb_run.define_metric("*", step_metric="step")  # charts against the run's step
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         row = {"step": int(step), "wall_time": round(time.time() - self._t0, 3),
@@ -57,8 +61,8 @@ class Tracker:
         self.rows.append(row)
         with self.jsonl.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        if self.wandb_run is not None:
-            self.wandb_run.log(metrics, step=int(step))
+        if self.wandb_run is not None:  # W&B drops rows whose own step goes back: it counts them, ours is a field
+            self.wandb_run.log({**metrics, "step": int(step)})
 
     def rewind(self, step: int) -> None:
         """Forget rows logged after ``step`` (a run resumed from an earlier checkpoint logs them again)."""

@@ -42,33 +42,32 @@
 import matplotlib.pyplot as plt
 import pandas as pd
 import torch
-from tqdm import tqdm
 
-from flowlib import config, runs
+from flowlib import config, progress, runs
 from flowlib.metrics import sliced_wasserstein
 from flowlib.toy2d import Flows2DConfig, build_model, sample_target, train_2d
 from flowlib.tracking import Tracker
 
 # %% tags=["parameters"]
 # Defaults: the small CPU run (a few minutes). Larger runs: params/00_flows_2d/*.yaml.
-seed = 0
-targets = ["two_moons", "checkerboard"]
-methods = ["reflow", "meanflow", "shortcut"]
-train_steps = 3000
-batch_size = 256
-lr = 0.003
-hidden = 128
-depth = 3
-emb_scale = 10.0
-ema_decay = 0.99
-meanflow_share_distinct = 0.25
-meanflow_adaptive_p = 0.5
-shortcut_bootstrap_fraction = 0.25
-shortcut_max_steps = 128
-eval_steps = [1, 2, 4, 8, 128]
-eval_samples = 4000
-run_name = "default"
-wandb_mode = "disabled"
+seed: int = 0  # seed of torch and of the run's random draws
+targets: list[str] = ["two_moons", "checkerboard"]  # 2D data sets to fit (two_moons, checkerboard, ...)
+methods: list[str] = ["reflow", "meanflow", "shortcut"]  # flow models to compare; reflow is the baseline and must be listed
+train_steps: int = 3000  # gradient steps
+batch_size: int = 256  # samples per gradient step
+lr: float = 0.003  # peak learning rate (AdamW, cosine decay)
+hidden: int = 128  # width of the velocity MLP's hidden layers
+depth: int = 3  # hidden layers of the velocity MLP
+emb_scale: float = 10.0  # time-embedding scale (1000 makes MeanFlow's du/dt stiff)
+ema_decay: float = 0.99  # also ShortCut's teacher: slower EMAs starve the doubling chain
+meanflow_share_distinct: float = 0.25  # share of (t, s) pairs with s and t apart
+meanflow_adaptive_p: float = 0.5  # adaptive loss weight 1 / (||err||^2 + eps)^p
+shortcut_bootstrap_fraction: float = 0.25  # share of each batch given the self-consistency target
+shortcut_max_steps: int = 128  # finest ShortCut step is 1 / shortcut_max_steps
+eval_steps: list[int] = [1, 2, 4, 8, 128]  # numbers of integration steps K at which samples are scored
+eval_samples: int = 4000  # samples per score (sliced Wasserstein-1 against held-out data)
+run_name: str = "default"  # the run folder, outputs/<notebook>/<run_name>
+wandb_mode: str = "disabled"  # disabled, offline (a local W&B run) or online
 
 # %% [markdown]
 # The next cell turns the parameters above (plus whatever papermill injected) into a typed,
@@ -80,7 +79,7 @@ run_path = runs.run_dir("00_flows_2d", cfg.run_name)
 runs.save_params(run_path, cfg)
 tracker = Tracker(run_path, config.to_dict(cfg), wandb_mode=cfg.wandb_mode, project="flowlib-00")
 torch.manual_seed(cfg.seed)
-print(f"run folder: outputs/00_flows_2d/{cfg.run_name}")
+print(f"run folder: {runs.shown(run_path)}")
 
 # %% [markdown]
 # ## The targets
@@ -95,6 +94,8 @@ for ax, (name, pts) in zip(axes[0], reference.items()):
     ax.set_aspect("equal")
     ax.set_xlim(-3, 3)
     ax.set_ylim(-3, 3)
+    ax.set_xlabel("$x_1$")
+    ax.set_ylabel("$x_2$")
 runs.save_figure(fig, run_path, "targets")
 plt.show()
 
@@ -130,12 +131,12 @@ plt.show()
 
 # %%
 models, losses = {}, {}
-bar = tqdm(total=len(cfg.targets) * len(cfg.methods) * cfg.train_steps, desc="training", mininterval=15)
+bar = progress.bar(len(cfg.targets) * len(cfg.methods) * cfg.train_steps, "training", unit="step")
 for target in cfg.targets:
     for method in cfg.methods:
         torch.manual_seed(cfg.seed)
         model = build_model(method, cfg)
-        losses[target, method] = train_2d(model, target, cfg, tracker, desc=f"{target}/{method}", progress=bar)
+        losses[target, method] = train_2d(model, target, cfg, tracker, desc=f"{target}/{method}", bar=bar)
         models[target, method] = model
 bar.close()
 
@@ -147,6 +148,7 @@ for ax, target in zip(axes[0], cfg.targets):
     ax.set_yscale("log")
     ax.set_title(f"training loss · {target}")
     ax.set_xlabel("step")
+    ax.set_ylabel("loss (100-step mean)")
     ax.legend()
 runs.save_figure(fig, run_path, "losses")
 plt.show()

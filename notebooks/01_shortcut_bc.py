@@ -57,45 +57,45 @@ from flowlib.tracking import start_run
 # %% tags=["parameters"]
 # Defaults: the small CPU run (minutes; the policy will not solve the task yet).
 # Longer runs: params/01_shortcut_bc/cpu.yaml (2 CPU cores) and gpu.yaml.
-seed = 0
-env_id = "PickCube-v1"
-num_demos = 20
-demo_file = ""
-obs_horizon = 2
-pred_horizon = 16
-act_horizon = 8
-down_dims = [32, 64]
-emb_dim = 32
-obs_emb_dim = 0  # > 0: an MLP obs_encoder [To*O] -> [obs_emb_dim] before FiLM (stage 3 can freeze it)
-shortcut_max_steps = 8
-bootstrap_fraction = 0.25
-ema_decay = 0.995
-train_steps = 300
-batch_size = 128
-lr = 0.001
-weight_decay = 1e-06
-warmup_steps = 50
-ckpt_every = 100
-keep_every = 0
-log_every = 25
-eval_every = 0
-select_inference_steps = 4
-eval_inference_steps = [1, 2, 4, 8]
-num_eval_episodes = 4
-val_seed = 10000
-eval_seed = 20000
-num_envs = 2
-max_episode_steps = 100
-backend = "auto"
-num_threads = 1
-resume = True
-run_name = "default"
-wandb_mode = "disabled"
+seed: int = 0  # seed of torch and of the run's random draws
+env_id: str = "PickCube-v1"  # the task: a ManiSkill id (PickCube-v1) or a fast torch task (FastReach-v0, FastPush-v0)
+num_demos: int = 20  # demonstrations to clone (generated once, then cached)
+demo_file: str = ""  # an existing ManiSkill .h5 (state, pd_ee_delta_pos); "" means generate
+obs_horizon: int = 2  # observations the policy conditions on (T_o)
+pred_horizon: int = 16  # actions per predicted chunk (H)
+act_horizon: int = 8  # actions of each chunk executed before replanning (T_a)
+down_dims: list[int] = [32, 64]  # the U-Net's channel widths
+emb_dim: int = 32  # width of the time and step-size embeddings
+obs_emb_dim: int = 0  # 0: the flat obs window conditions the U-Net; > 0: an MLP obs_encoder first
+shortcut_max_steps: int = 8  # the finest ShortCut step d_min is 1 / shortcut_max_steps
+bootstrap_fraction: float = 0.25  # share of each batch given the ShortCut self-consistency target
+ema_decay: float = 0.995  # decay of the weights' exponential moving average (the evaluated policy)
+train_steps: int = 300  # gradient steps
+batch_size: int = 128  # samples per gradient step
+lr: float = 0.001  # peak learning rate (AdamW, cosine decay)
+weight_decay: float = 1e-06  # AdamW weight decay
+warmup_steps: int = 50  # linear learning-rate warm-up steps
+ckpt_every: int = 100  # write last.pt every this many steps (a run resumes from it)
+keep_every: int = 0  # also keep step_<N>.pt every keep_every steps (0: none), e.g. to pick a start
+log_every: int = 25  # log the losses every this many steps
+eval_every: int = 0  # 0: evaluate only at the end
+select_inference_steps: int = 4  # K whose success_once picks best_model.pt
+eval_inference_steps: list[int] = [1, 2, 4, 8]  # integration steps K at which the final report evaluates
+num_eval_episodes: int = 4  # held-out episodes per evaluation
+val_seed: int = 10000  # env seeds of the periodic evaluations that pick best_model.pt
+eval_seed: int = 20000  # env seeds of the final report (demos use seeds from 0: keep these apart)
+num_envs: int = 2  # parallel envs
+max_episode_steps: int = 100  # env steps per episode
+backend: str = "auto"  # auto, physx_cpu or physx_cuda (a fast task maps them to torch_cpu or torch_cuda)
+num_threads: int = 1  # torch CPU threads (0: torch's default); 1 leaves the other cores to the envs
+resume: bool = True  # go on from the run folder's last.pt when there is one
+run_name: str = "default"  # the run folder, outputs/<notebook>/<run_name>
+wandb_mode: str = "disabled"  # disabled, offline (a local W&B run) or online
 
 # %%
 cfg = config.from_globals(bc.ShortCutBCConfig, globals())
 run_path, tracker = start_run("01_shortcut_bc", cfg)
-print(f"run folder: outputs/01_shortcut_bc/{cfg.run_name}")
+print(f"run folder: {runs.shown(run_path)}")
 
 # %% [markdown]
 # ## Demonstrations
@@ -171,6 +171,7 @@ ax.plot(history["step"], history["flow_mse"], label="flow-matching part")
 ax.plot(history["step"], history["consistency_mse"], label="self-consistency part")
 ax.set_yscale("log")
 ax.set_xlabel("step")
+ax.set_ylabel("loss")
 ax.legend()
 runs.save_figure(fig, run_path, "loss")
 plt.show()
@@ -199,6 +200,7 @@ results.to_csv(run_path / "success_vs_steps.csv")
 fig, ax = plt.subplots(figsize=(5, 2.8))
 results[["success_once", "success_at_end"]].plot.bar(ax=ax, rot=0)
 ax.set_ylim(0, 1)
+ax.set_ylabel("success rate")
 ax.set_title(f"{cfg.env_id}, {cfg.num_eval_episodes} held-out episodes")
 runs.save_figure(fig, run_path, "success_vs_steps")
 plt.show()

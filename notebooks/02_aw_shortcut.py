@@ -63,56 +63,56 @@ from flowlib.tracking import Tracker, start_run
 # %% tags=["parameters"]
 # Defaults: the small CPU run (minutes), starting from notebook 01's default checkpoint.
 # Longer runs: params/02_aw_shortcut/cpu.yaml (2 CPU cores) and gpu.yaml.
-seed = 0
-stage1_checkpoint = ""  # relative to outputs/; empty means 01_shortcut_bc/default/best_model.pt
-env_id = "PickCube-v1"
-num_demos = 20
-demo_file = ""
-rollout_episodes = 6
-rollout_noise_stds = [0.0, 0.3]
-rollout_inference_steps = 4
-critic = "iql"
-reward = "sparse"
-gamma = 0.99
-expectile = 0.7
-target_polyak = 0.005
-critic_hidden_dims = [128, 128]
-critic_lr = 0.0003
-critic_steps = 1000
-critic_batch_size = 256
-holdout_fraction = 0.25
-beta = 5.0
-max_weight = 20.0
-weighting = "exp"
-train_seeds = [0]
-train_steps = 200
-batch_size = 128
-lr = 0.0003
-weight_decay = 1e-06
-warmup_steps = 20
-ckpt_every = 100
-keep_every = 0
-log_every = 25
-eval_every = 0
-select_inference_steps = 4
-eval_inference_steps = [4]
-num_eval_episodes = 4
-val_seed = 10000
-eval_seed = 20000
-num_envs = 2
-max_episode_steps = 100
-backend = "auto"
-num_threads = 1
-resume = True
-run_name = "default"
-wandb_mode = "disabled"
+seed: int = 0  # seed of torch and of the run's random draws
+stage1_checkpoint: str = ""  # relative to outputs/; "" means 01_shortcut_bc/default/best_model.pt
+env_id: str = "PickCube-v1"  # the task: a ManiSkill id (PickCube-v1) or a fast torch task (FastReach-v0, FastPush-v0)
+num_demos: int = 20  # demonstrations to clone (generated once, then cached)
+demo_file: str = ""  # an existing ManiSkill .h5 (state, pd_ee_delta_pos); "" means generate
+rollout_episodes: int = 6  # stage-1 rollouts per noise level, added to the demos
+rollout_noise_stds: list[float] = [0.0, 0.3]  # action-noise std of each rollout batch (actions lie in [-1, 1])
+rollout_inference_steps: int = 4  # K of the stage-1 policy during the rollouts
+critic: str = "iql"  # "iql" or "mc"
+reward: str = "sparse"  # "sparse" (success) or "dense" (normalized_dense)
+gamma: float = 0.99  # discount per env step
+expectile: float = 0.7  # IQL's expectile tau for V (0.5 is the mean)
+target_polyak: float = 0.005  # rate of the target critic's soft update
+critic_hidden_dims: list[int] = [128, 128]  # hidden widths of the Q and V nets
+critic_lr: float = 0.0003  # the critic's learning rate
+critic_steps: int = 1000  # critic gradient steps
+critic_batch_size: int = 256  # transitions per critic step
+holdout_fraction: float = 0.25  # share of episodes held out to score the critic
+beta: float = 5.0  # inverse temperature of the weights exp(beta A)
+max_weight: float = 20.0  # weights clipped at this value
+weighting: str = "exp"  # "exp" (clipped) or "softmax" (per batch of the whole dataset)
+train_seeds: list[int] = [0]  # one AW-ShortCut training run per seed
+train_steps: int = 200  # gradient steps
+batch_size: int = 128  # samples per gradient step
+lr: float = 0.0003  # peak learning rate (AdamW, cosine decay)
+weight_decay: float = 1e-06  # AdamW weight decay
+warmup_steps: int = 20  # linear learning-rate warm-up steps
+ckpt_every: int = 100  # write last.pt every this many steps (a run resumes from it)
+keep_every: int = 0  # also keep step_<N>.pt every keep_every steps (0: none)
+log_every: int = 25  # log the losses every this many steps
+eval_every: int = 0  # evaluate every this many steps (0 means only at the end)
+select_inference_steps: int = 4  # K whose success_once picks best_model.pt
+eval_inference_steps: list[int] = [4]  # integration steps K at which the final report evaluates
+num_eval_episodes: int = 4  # held-out episodes per evaluation
+val_seed: int = 10000  # periodic evaluations (best_model.pt); as in notebook 01
+eval_seed: int = 20000  # the stage-1 vs stage-2 comparison; held out from demos and rollouts
+num_envs: int = 2  # parallel envs
+max_episode_steps: int = 100  # env steps per episode
+backend: str = "auto"  # auto, physx_cpu or physx_cuda (a fast task maps them to torch_cpu or torch_cuda)
+num_threads: int = 1  # torch CPU threads (0 means torch's default)
+resume: bool = True  # go on from the run folder's last.pt when there is one
+run_name: str = "default"  # the run folder, outputs/<notebook>/<run_name>
+wandb_mode: str = "disabled"  # disabled, offline (a local W&B run) or online
 
 # %%
 cfg = config.from_globals(awsc.AWShortCutConfig, globals())
 run_path, tracker = start_run("02_aw_shortcut", cfg)
 stage1_path = awsc.stage1_checkpoint_path(cfg)
 stage1 = bc.load_policy(stage1_path)
-print(f"run folder: outputs/02_aw_shortcut/{cfg.run_name}; stage 1: {stage1_path.parent.name}/{stage1_path.name}")
+print(f"run folder: {runs.shown(run_path)}; stage 1: {stage1_path.parent.name}/{stage1_path.name}")
 
 # %% [markdown]
 # ## Data with contrast: demos + stage-1 rollouts
@@ -167,7 +167,7 @@ critic = fitted[cfg.critic]
 print(f"critics trained in {time.time() - t0:.0f}s")
 fig, axes = plt.subplots(1, len(curves), figsize=(4.5 * len(curves), 2.8), squeeze=False)
 for ax, (kind, curve) in zip(axes[0], curves.items()):
-    curve.set_index("step").plot(ax=ax, logy=True, title=f"{kind} critic")
+    curve.set_index("step").plot(ax=ax, logy=True, title=f"{kind} critic", xlabel="step", ylabel="loss")
 runs.save_figure(fig, run_path, "critic_curves")
 plt.show()
 
@@ -213,6 +213,7 @@ by_source = pd.DataFrame({"source": episode_source, "episode succeeded": episode
 fig, ax = plt.subplots(figsize=(5, 2.8))
 ax.hist(weights.numpy(), bins=60, log=True)
 ax.set_xlabel("weight w")
+ax.set_ylabel("dataset windows")
 ax.set_title(f"β = {cfg.beta:g}, ESS = {ess:.2f}, clipped at {cfg.max_weight:g}: {(weights >= cfg.max_weight).float().mean():.1%}")
 runs.save_figure(fig, run_path, "weights")
 plt.show()

@@ -212,7 +212,7 @@ run_path, tracker = start_run("03_reinflow", cfg)
 init_path = stage3.init_checkpoint_path(cfg)
 env = make_env(cfg.env_id, cfg.num_envs, max_episode_steps=cfg.max_episode_steps, backend=cfg.backend)
 agent, value_init = stage3.build_agent(cfg, init_path, env.spec)
-print(f"run folder: outputs/03_reinflow/{cfg.run_name}; from {init_path.parent.name}/{init_path.name}; "
+print(f"run folder: {runs.shown(run_path)}; from {init_path.parent.name}/{init_path.name}; "
       f"V: {value_init}; {env.num_envs} env(s) on {env.backend}")
 
 # %% [markdown]
@@ -271,6 +271,7 @@ for col, ax in zip(["train/success_once", "value_loss", "policy_loss"], axes):
     if col in history:
         ax.plot(history["step"], history[col], marker=".")
     ax.set_xlabel("env steps")
+    ax.set_ylabel(col.split("/")[-1])
     ax.set_title(col)
 ax2 = axes[0].twiny()
 ax2.set_xlim(history["wall_time"].min(), history["wall_time"].max())
@@ -308,6 +309,7 @@ ax.plot(steps, planned, label=f"max_noise_std ({cfg.noise_schedule})")
 if "noise_std" in history:
     ax.plot(history["step"], history["noise_std"], "o", label="noise std used")
 ax.set_xlabel("env steps")
+ax.set_ylabel("std (normalised actions)")
 ax.legend()
 runs.save_figure(fig, run_path, "noise_schedule")
 plt.show()

@@ -81,27 +81,25 @@ from flowlib.tracking import start_run
 
 # %% tags=["parameters"]
 # Defaults: the small CPU run (a few minutes). params/04_flow_sde/cpu.yaml is the reported comparison.
-seed = 0
-noise_levels = [0.2, 0.5, 1.0]
-marginal_steps = 100
-marginal_samples = 4000
-logprob_steps = [2, 4, 8, 16, 32]
-reflow_train_steps = 1500
-init_checkpoint = ""
-methods = ["reinflow", "flow_noise", "flow_sde", "flow_sde+hybrid"]
-seeds = [0]
-finetune = {"num_envs": 2, "num_inference_steps": 4, "total_env_steps": 256, "rollout_steps": 8, "update_epochs": 2,
-            "minibatch_size": 16, "critic_warmup_steps": 0, "eval_every": 0, "num_eval_episodes": 4,
-            "max_episode_steps": 100, "value_hidden_dims": [64, 64]}
-num_threads = 1
-resume = True
-run_name = "default"
-wandb_mode = "disabled"
+seed: int = 0  # seed of torch and of the run's random draws
+noise_levels: list[float] = [0.2, 0.5, 1.0]  # SDE noise levels a compared with the ODE
+marginal_steps: int = 100  # K of the marginal check
+marginal_samples: int = 4000  # samples per marginal comparison
+logprob_steps: list[int] = [2, 4, 8, 16, 32]  # chain lengths K of the log-probability table
+reflow_train_steps: int = 1500  # the trained 2D model (notebook 00's ReFlow on two_moons)
+init_checkpoint: str = ""  # stage-1/2 best_model.pt under outputs/; "" means 01_shortcut_bc/default
+methods: list[str] = ["reinflow", "flow_noise", "flow_sde", "flow_sde+hybrid"]  # noise methods fine-tuned on PickCube (reinflow, flow_noise, flow_sde, flow_sde+hybrid)
+seeds: list[int] = [0]  # one fine-tuning run per method and seed
+finetune: dict = {"num_envs": 2, "num_inference_steps": 4, "total_env_steps": 256, "rollout_steps": 8, "update_epochs": 2, "minibatch_size": 16, "critic_warmup_steps": 0, "eval_every": 0, "num_eval_episodes": 4, "max_episode_steps": 100, "value_hidden_dims": [64, 64]}  # notebook 03's parameters shared by every method's run
+num_threads: int = 1  # torch CPU threads (0 means torch's default)
+resume: bool = True  # go on from the run folder's last.pt when there is one
+run_name: str = "default"  # the run folder, outputs/<notebook>/<run_name>
+wandb_mode: str = "disabled"  # disabled, offline (a local W&B run) or online
 
 # %%
 cfg = config.from_globals(pirl.FlowSDEConfig, globals())
 run_path, tracker = start_run("04_flow_sde", cfg)
-print(f"run folder: outputs/04_flow_sde/{cfg.run_name}")
+print(f"run folder: {runs.shown(run_path)}")
 
 # %% [markdown]
 # ## 1 · The marginals, with an exact velocity
@@ -158,6 +156,8 @@ for ax, (name, chain) in zip(axes, panels):
     for i in range(4):  # the same four x_0 in every panel
         ax.plot(*chain[i].T, lw=1)
     ax.set_title(name)
+axes[0].set_xlabel("$x_1$")
+axes[0].set_ylabel("$x_2$")
 fig.suptitle("same marginals, different paths (the same four x_0 in every panel)")
 fig.tight_layout()
 runs.save_figure(fig, run_path, "sde_vs_ode_2d")
@@ -178,6 +178,7 @@ for a, group in lp.groupby("a"):
 for ax, title in zip(axes, ["mean joint log-prob per chain", "std across chains"]):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("K")
+    ax.set_ylabel("log-prob (nats)")
     ax.set_title(title)
     ax.legend()
 fig.tight_layout()

@@ -40,12 +40,12 @@ from flowlib import config, runs, sweep
 from flowlib.runs import REPO_ROOT, outputs_root
 
 # %% tags=["parameters"]
-sweep_dir = ""
-smoke_params = "params/03_reinflow/smoke"
-seeds = [0]
-success_level = 0.9
-metric = "train/success_once"
-run_name = "default"
+sweep_dir: str = ""  # relative to outputs/ (e.g. 03_reinflow/ablations); "" runs the smoke sweep
+smoke_params: str = "params/03_reinflow/smoke"  # folder of params files the smoke sweep runs when sweep_dir is empty
+seeds: list[int] = [0]  # seeds of the smoke sweep
+success_level: float = 0.9  # success a run must reach to count as solved (time-to-level column)
+metric: str = "train/success_once"  # the logged column the report compares
+run_name: str = "default"  # the run folder, outputs/<notebook>/<run_name>
 
 # %%
 cfg = config.from_globals(sweep.SweepReportConfig, globals())
@@ -80,11 +80,13 @@ labels = [f"{r.category} · {r.variant}" for r in table.itertuples()]
 y = np.arange(len(table))
 axes[0].barh(y, table.final_success_mean, xerr=table.final_success_std, color="tab:blue", alpha=0.8)
 axes[0].set_yticks(y, labels)
+axes[0].set_ylabel("category · variant")
 axes[0].set_xlim(0, 1)
 axes[0].axvline(finals.before.mean(), ls="--", c="k", lw=0.8)  # the start, on the same episodes
 axes[0].set_xlabel(f"final success_once (mean +- std over {finals.seed.nunique()} seed(s); dashed: the start)")
 axes[1].barh(y, table.s_per_iteration, color="tab:gray")
 axes[1].set_yticks(y, [])
+axes[1].set_ylabel("(as left)")
 axes[1].set_xlabel("seconds per iteration")
 fig.tight_layout()
 runs.save_figure(fig, run_path, "final_success")

@@ -75,6 +75,16 @@ def test_every_params_file_validates_against_its_notebook(path: Path):
     from_yaml(config_class(notebook), path)
 
 
+@pytest.mark.parametrize("path", PARAM_FILES, ids=[str(p.relative_to(REPO_ROOT)) for p in PARAM_FILES])
+def test_every_params_file_names_its_own_run_folder(path: Path):
+    """So `papermill ... -f params/<nb>/<file>.yaml` (no wrapper) never writes into the default run's folder."""
+    from flowlib.config import load_yaml
+    from flowlib.run import params_run_name
+
+    assert load_yaml(path).get("run_name") == params_run_name(path) != "default", \
+        f"{path}: add `run_name: {params_run_name(path)}`"
+
+
 @pytest.mark.parametrize("cls, values, message", [
     (Stage3Config, {"num_envs": 0}, "'num_envs' = 0: should be greater than 0 (expected int > 0)"),
     (Stage3Config, {"actor_lr": -3e-5}, "'actor_lr' = -3e-05: should be greater than or equal to 0"),
@@ -196,3 +206,61 @@ def test_runner_stops_on_bad_values_and_missing_start_checkpoints_before_a_kerne
     if message.endswith("checkpoint: checkpoint"):  # the default start: notebook 01's default run
         assert "run notebook 01 first (python -m flowlib.run 01_shortcut_bc) or set" in err
     assert list(tmp_path.iterdir()) == []  # no run folder was made
+
+
+def _write(path: Path, content) -> str:
+    import torch
+
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        torch.save(content, path)
+    return str(path)
+
+
+@pytest.mark.parametrize("notebook, key", [("02_aw_shortcut", "stage1_checkpoint"), ("03_reinflow", "init_checkpoint"),
+                                           ("06_steering", "init_checkpoint"), ("04_flow_sde", "init_checkpoint")])
+@pytest.mark.parametrize("content, message", [
+    (b"\x9a not a torch file", "is not a readable torch checkpoint"),
+    ({"weights": [1, 2]}, "is not a flowlib flow-policy checkpoint"),
+])
+def test_a_corrupted_or_foreign_start_checkpoint_is_one_error_before_a_kernel(notebook, key, content, message,
+                                                                              tmp_path, capsys):
+    path = _write(tmp_path / "start.pt", content)
+    assert main([notebook, "-p", f"{key}={path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {key}: {path}") and message in err and err.count("\n") == 1
+
+
+def test_a_start_checkpoint_of_another_task_names_both_tasks(capsys):
+    start = str(REPO_ROOT / "tests/fixtures/checkpoints/stage1.pt")
+    assert main(["03_reinflow", "-p", f"init_checkpoint={start}", "-p", "env_id=FastReach-v0"]) == 2
+    err = capsys.readouterr().err
+    assert "is a policy for PickCube-v1, this run is for FastReach-v0" in err and "set env_id: PickCube-v1" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["01_shortcut_bc", "-p", "down_dims=[32, 64"], "-p down_dims=[32, 64 is not valid YAML (line 1, column 8)"),
+    (["00_flows_2d", "-p", "methods=[shortcut]"], "lacks 'reflow', the multi-step baseline"),
+    (["00_flows_2d", "-p", "methods=[reflow, reflow]"], "must not repeat a name"),
+    (["03_reinflow", "-p", "actor_lerning_rate=1e-4"], "(did you mean 'actor_lr'?)"),
+    (["06_steering", "-p", "critic_lerning_rate=1e-4"], "(did you mean 'critic_lr'?)"),
+])
+def test_bad_overrides_are_one_line_errors_naming_the_key(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_a_params_file_that_is_not_yaml_names_the_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train_steps: 10\ntargets: [two_moons\nseed: 1\n")
+    assert main(["00_flows_2d", "--params", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"parameter file {bad} is not valid YAML (line 3" in err and err.count("\n") == 1
+
+
+def test_a_list_that_arrives_as_text_says_how_to_pass_a_list():
+    with pytest.raises(ConfigError) as err:
+        validate(Flows2DConfig, {"targets": "[two_moons, rings]"})  # what `papermill -p targets '[...]'` injects
+    assert "-y 'targets: [two_moons, rings]' for papermill" in str(err.value)

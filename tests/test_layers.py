@@ -12,13 +12,13 @@ FLOWLIB = REPO / "flowlib"
 
 # bottom to top; a module may import from its own layer and the ones before it
 LAYERS = {
-    "core": {"config", "runs", "metrics", "nets", "flows", "unet", "flow_sde", "toy2d", "tracking", "sysdeps"},
+    "core": {"config", "runs", "progress", "metrics", "nets", "flows", "unet", "flow_sde", "toy2d", "tracking", "sysdeps"},
     "world": {"fast_envs", "envs", "data", "smdp"},
     "policy": {"bc", "critic", "awsc"},
     "rl core": {"ppo", "buffers", "loop", "learners"},
     "methods": {"reinflow_agent", "reinflow", "latent", "latent_sac", "residual", "residual_step", "residual_td3"},
     "registry": {"stage3"},
-    "tools": {"bench", "evaluate", "pirl", "seeds", "sweep", "run", "__init__"},
+    "tools": {"bench", "export", "evaluate", "pirl", "seeds", "sweep", "run", "__init__"},
 }
 RANK = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 NAMES = list(LAYERS)

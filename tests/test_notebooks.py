@@ -70,7 +70,7 @@ def test_papermill_parses_every_parameter(py):
                           "keep '=' out of their trailing comments")
 
 
-DOCUMENTED = ["03_reinflow", "06_steering"]  # notebooks whose parameters cell is generated from its config dataclass
+DOCUMENTED = IDS  # every parameters cell is generated from its config dataclass (config.parameter_lines)
 
 
 @pytest.mark.parametrize("stem", DOCUMENTED)
@@ -90,3 +90,17 @@ def test_a_documented_parameters_cell_is_typed_and_helped_as_its_dataclass_says(
     exec(cell.source, namespace)
     values = {k: v for k, v in namespace.items() if not k.startswith("__")}
     assert lines == parameter_lines(cls, values)
+
+
+def test_committed_notebooks_hold_no_volatile_metadata():
+    """Execution timestamps, random cell ids and the Python patch version churn every diff: `make sync` and
+    `make notebooks` strip them (nbstripout, keeping outputs and counts)."""
+    import shlex
+    import subprocess
+    import sys
+
+    strip = next(line for line in (REPO_ROOT / "Makefile").read_text().splitlines() if line.startswith("STRIP :="))
+    args = shlex.split(strip.split(":=", 1)[1])
+    nbs = [str(p.with_suffix(".ipynb")) for p in SOURCES]
+    proc = subprocess.run([sys.executable, "-m", "nbstripout", "--verify", *args, *nbs], capture_output=True, text=True)
+    assert proc.returncode == 0, f"run `make strip`: {proc.stdout}{proc.stderr}"

@@ -101,3 +101,86 @@ def test_a_resumed_run_keeps_its_wall_clock(tmp_path):
     fresh = Tracker(tmp_path)                            # not resumed: a new clock
     fresh.log({"loss": 0.0}, 10)
     assert fresh.rows[-1]["wall_time"] < 10.0
+
+
+class _FakeWandbRun:
+    """W&B's rule for a run's rows: a row whose ``step`` is below the last one is dropped (with a warning)."""
+
+    def __init__(self):
+        self.rows, self._step = [], -1
+
+    def define_metric(self, *args, **kwargs):
+        pass
+
+    def log(self, row, step=None):
+        step = self._step + 1 if step is None else step
+        if step >= self._step:
+            self.rows.append(row)
+            self._step = step
+
+    def finish(self):
+        pass
+
+
+def test_wandb_keeps_every_row_when_the_step_starts_again(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    run = _FakeWandbRun()
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: run))
+    tr = Tracker(tmp_path, wandb_mode="offline")
+    for curve in ("two_moons/reflow", "two_moons/shortcut"):  # notebook 00: a curve per target and method
+        for step in (0, 100, 200):
+            tr.log({f"{curve}/loss": 1.0 / (step + 1)}, step)
+    tr.finish()
+    assert [r["step"] for r in run.rows] == [0, 100, 200, 0, 100, 200]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_atomic_writes_get_the_mode_the_umask_gives(tmp_path, umask):
+    import os
+
+    old = os.umask(umask)
+    try:
+        paths = [save_json(tmp_path / "summary.json", {"a": 1}), save_torch({"w": torch.zeros(1)}, tmp_path / "last.pt")]
+        plain = tmp_path / "plain.txt"
+        plain.write_text("x")  # what open() gives, as for metrics.jsonl
+    finally:
+        os.umask(old)
+    for path in paths:
+        assert path.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_a_figure_with_an_unlabelled_scale_is_refused_naming_the_axes(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from flowlib.runs import save_figure
+
+    fig, (a, b) = plt.subplots(1, 2, sharey=True)
+    a.plot([0, 1], [1, 2]), b.plot([0, 1], [2, 3])
+    a.set_title("loss"), b.set_title("success")
+    a.set_xlabel("step"), a.set_ylabel("value")
+    with pytest.raises(ValueError, match="figure 'curves': 'success' has no x label"):
+        save_figure(fig, tmp_path, "curves")
+    b.set_xlabel("step")  # b's y label is a's: they share y
+    assert save_figure(fig, tmp_path, "curves").exists()
+    plt.close(fig)
+
+
+def test_bars_and_lines_that_are_all_zero_say_so(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from flowlib.runs import save_figure
+
+    fig, (a, b) = plt.subplots(1, 2)
+    a.bar(["K=1", "K=4"], [0.0, 0.0]), b.plot([0, 10], [0.0, 0.0])
+    for ax in (a, b):
+        ax.set_xlabel("x"), ax.set_ylabel("success")
+    save_figure(fig, tmp_path, "zeros")
+    assert [t.get_text() for t in a.texts] == ["0.00", "0.00"]
+    assert [t.get_text() for t in b.texts] == ["all values are 0"]
+    plt.close(fig)

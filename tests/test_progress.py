@@ -1,0 +1,28 @@
+"""Progress in a headless run: one plain line per update interval, no carriage returns, the count in each."""
+import re
+
+from flowlib import progress
+
+
+def test_a_headless_bar_prints_plain_lines_with_the_count_rate_and_eta(monkeypatch, capsys):
+    monkeypatch.setenv(progress.PROGRESS_ENV, progress.LINES)
+    monkeypatch.setattr(progress, "LINE_INTERVAL_S", 0.0)
+    assert progress.mode() == progress.LINES
+    bar = progress.bar(3, "training", unit="step")
+    for _ in range(3):
+        bar.update()
+    bar.close()
+    out = capsys.readouterr().out
+    assert "\r" not in out and "\x1b" not in out
+    lines = out.splitlines()
+    assert [line.split(" [")[0] for line in lines] == [f"training: {n}/3" for n in range(4)]  # no repeat at close
+    assert all(re.search(r"\[\d\d:\d\d<[\d:?]+, +[\d.?]+ ?step/s\]$", line) for line in lines)
+
+
+def test_a_headless_bar_waits_its_interval_between_lines(monkeypatch, capsys):
+    monkeypatch.setenv(progress.PROGRESS_ENV, progress.LINES)
+    bar = progress.bar(1000, "evaluating", unit="episode", leave=False)
+    for _ in range(999):
+        bar.update()
+    bar.close()
+    assert capsys.readouterr().out.splitlines() == ["evaluating: 0/1000 [00:00<?, ?episode/s]"]
