@@ -35,6 +35,8 @@ Modules (each with one job):
     runs      run folders under outputs/, atomic writes
     tracking  metrics to files, optionally W&B (offline by default)
     run       `python -m flowlib.run NOTEBOOK --params FILE`: papermill runner
+    export    `python -m flowlib.export`: notebooks as HTML pages whose equations render offline
+    progress  progress bars in JupyterLab and a terminal, plain lines in a headless run
     sysdeps   system packages the simulator needs (`make system-deps`)
 """
 __version__ = "0.1.0"

@@ -35,7 +35,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 @dataclass
 class FlowSDEConfig:
     """Parameters of notebook 04.  Defaults are the small CPU run (minutes); ``params/04_flow_sde/cpu.yaml``
-    is the comparison reported in the README."""
+    is the comparison reported in docs/results/flow_sde.md."""
 
     seed: NonNegativeInt = 0
     # 2D: the SDE family against the ODE

@@ -58,7 +58,7 @@ class PPOConfig:
     ent_coef: NonNegativeFloat = 0.01  # weight of the entropy bonus
     vf_coef: NonNegativeFloat = 0.5  # weight of the value loss
     actor_optimizer: str = "adam"       # "adam", or "sgd": steps along the (norm-clipped) gradient itself
-    target_kl: NonNegativeFloat = 0.0   # 0: no early stop
+    target_kl: NonNegativeFloat = 0.0   # approx KL past which an update stops early (0: never)
     kl_stop: str = "all"                # past target_kl: "all" ends the update, "policy" keeps fitting the value
     norm_adv: bool = True  # advantages normalised per minibatch
     flip_advantages: bool = False  # a control: PPO ascends -A, so a method that learns must get worse

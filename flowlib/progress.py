@@ -64,9 +64,9 @@ def bar(total: int | None = None, desc: str = "", initial: int = 0, unit: str = 
         from tqdm.notebook import tqdm as notebook_tqdm
 
         return notebook_tqdm(mininterval=mininterval, **kwargs)
-    if where == LINES:
+    if where == LINES:  # a bar that goes when done shows only if it lasts (a quick evaluation prints nothing)
         return _LineBar(file=_Lines(sys.stdout), mininterval=LINE_INTERVAL_S, bar_format=LINE_FORMAT,
-                    ascii=True, **kwargs)
+                        ascii=True, delay=0 if leave else LINE_INTERVAL_S, **kwargs)
     return tqdm(mininterval=mininterval, **kwargs)
 
 

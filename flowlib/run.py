@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, load_yaml, parse_yaml, validate
-from .progress import LINES, PROGRESS_ENV
-from .runs import REPO_ROOT, check_run_name, run_dir, shown
+from .config import ConfigError, defaults, load_yaml, parse_yaml, validate
+from .progress import LINES, PROGRESS_ENV, say
+from .runs import REPO_ROOT, check_run_name, checkpoint_location, run_dir, run_that_writes, shown
 
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 
@@ -28,7 +29,7 @@ NOTEBOOK_CONFIGS = {
     "00_flows_2d": "flowlib.toy2d:Flows2DConfig",
     "01_shortcut_bc": "flowlib.bc:ShortCutBCConfig",
     "02_aw_shortcut": "flowlib.awsc:AWShortCutConfig",
-    "03_reinflow": "flowlib.stage3:Stage3Config",
+    "03_reinflow": "flowlib.stage3:ChainPPOConfig",
     "06_steering": "flowlib.stage3:SteeringConfig",
     "04_flow_sde": "flowlib.pirl:FlowSDEConfig",
     "05_ablation_report": "flowlib.sweep:SweepReportConfig",
@@ -43,6 +44,10 @@ NOTEBOOK_INPUTS = {
     "06_steering": ("init_checkpoint", "flowlib.stage3:init_checkpoint_path"),
     "04_flow_sde": ("init_checkpoint", "flowlib.pirl:init_checkpoint_path"),
 }
+
+# notebooks that make their *default* start checkpoint when it is missing (``start_checkpoint``): the chain-PPO
+# tutorial trains its fast-task start in half a minute.  A start named in params must exist, as everywhere.
+MAKES_ITS_START = {"03_reinflow"}
 
 # notebook -> a check of its parameters against the files they name ("module:function", config -> problem or "")
 NOTEBOOK_PREFLIGHT = {
@@ -108,10 +113,49 @@ def preflight(notebook: str, parameters: dict[str, Any], require_inputs: bool = 
         try:
             problem = start_checkpoint_problem(_function(path_of)(cfg), key, cfg.env_id)
         except FileNotFoundError as err:
-            problem = str(err) if require_inputs else ""
+            problem = str(err) if require_inputs and not makes_its_start(notebook, cfg) else ""
         if problem:
             return problem
     return _function(NOTEBOOK_PREFLIGHT[notebook])(cfg) if notebook in NOTEBOOK_PREFLIGHT else ""
+
+
+def makes_its_start(notebook: str, cfg) -> bool:
+    """Whether ``notebook`` makes the start checkpoint ``cfg`` names when it is missing: its default start, in a
+    notebook of ``MAKES_ITS_START``, written by a params file of notebook 01 or 02."""
+    if notebook not in MAKES_ITS_START:
+        return False
+    key = NOTEBOOK_INPUTS[notebook][0]
+    value = getattr(cfg, key)
+    return value == defaults(config_class(notebook))[key] and run_that_writes(checkpoint_location(value)) is not None
+
+
+def start_checkpoint(notebook: str, cfg) -> Path:
+    """The start checkpoint of ``notebook``'s run with ``cfg``: made first when the notebook makes its default start
+    (``makes_its_start``), else the path its parameter names, which must exist (``FileNotFoundError`` saying how to
+    make it)."""
+    key, path_of = NOTEBOOK_INPUTS[notebook]
+    if makes_its_start(notebook, cfg):
+        return ensure_checkpoint(checkpoint_location(getattr(cfg, key)))
+    return _function(path_of)(cfg)
+
+
+def ensure_checkpoint(path: Path) -> Path:
+    """``path``, first made by the run that writes it when it is missing (notebook 01's or 02's params file,
+    ``runs.run_that_writes``), as ``python -m flowlib.run <notebook> --params <file>`` would; else
+    ``FileNotFoundError`` saying how to make it."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    run = run_that_writes(path)
+    if run is None:
+        raise FileNotFoundError(f"checkpoint {path} not found, and no params file of notebook 01 or 02 writes it: "
+                                "run the stage that makes it first")
+    notebook, params = run
+    say(f"{shown(path)} is missing: running {notebook}" + (f" --params {params}" if params else "") + " first")
+    execute(notebook, resolve_parameters(notebook, str(REPO_ROOT / params) if params else None))
+    if not path.is_file():
+        raise FileNotFoundError(f"{notebook}'s run finished without writing {path}")
+    return path
 
 
 def start_checkpoint_problem(path: Path, key: str, env_id: str) -> str:
@@ -142,11 +186,21 @@ def execute(notebook: str, parameters: dict[str, Any], kernel: str = "python3", 
     cfg = validate(config_class(notebook), parameters)
     out_dir = run_dir(notebook, cfg.run_name)
     out_path = out_dir / f"{notebook}.ipynb"
-    os.environ[PROGRESS_ENV] = LINES  # the kernel inherits it: progress as lines, which papermill streams
     streams = dict(stdout_file=sys.stdout, stderr_file=sys.stderr) if stream else {}
-    pm.execute_notebook(str(NOTEBOOKS_DIR / f"{notebook}.ipynb"), str(out_path), parameters=parameters,
-                        kernel_name=kernel, cwd=str(NOTEBOOKS_DIR), progress_bar=False,
-                        extra_arguments=KERNEL_ARGUMENTS, **streams)
+    # papermill warns of every parameter its parameters cell does not list; a notebook's cell shows the knobs a
+    # reader turns, and validate() above has checked every key against the whole config
+    logging.getLogger("papermill").setLevel(logging.ERROR)
+    before = os.environ.get(PROGRESS_ENV)
+    os.environ[PROGRESS_ENV] = LINES  # the kernel inherits it: progress as lines, which papermill streams
+    try:
+        pm.execute_notebook(str(NOTEBOOKS_DIR / f"{notebook}.ipynb"), str(out_path), parameters=parameters,
+                            kernel_name=kernel, cwd=str(NOTEBOOKS_DIR), progress_bar=False,
+                            extra_arguments=KERNEL_ARGUMENTS, **streams)
+    finally:  # a notebook that calls this (ensure_checkpoint) keeps its own progress bars
+        if before is None:
+            os.environ.pop(PROGRESS_ENV)
+        else:
+            os.environ[PROGRESS_ENV] = before
     return out_path
 
 
@@ -168,13 +222,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"{args.notebook}: run folder {shown(run_dir(args.notebook, params['run_name']))}", flush=True)
+    folder = run_dir(args.notebook, validate(config_class(args.notebook), params).run_name)
+    print(f"{args.notebook}: run folder {shown(folder)}", flush=True)
     try:
         out = execute(args.notebook, params, kernel=args.kernel, stream=not args.quiet)
     except Exception as err:  # papermill's PapermillExecutionError: the cell that failed, kept in the copy
         if type(err).__name__ != "PapermillExecutionError":
             raise
-        copy = shown(run_dir(args.notebook, params["run_name"]) / f"{args.notebook}.ipynb")
+        copy = shown(folder / f"{args.notebook}.ipynb")
         print(f"error: {args.notebook} stopped at cell {err.exec_count} with {err.ename}: {err.evalue}; "
               f"the traceback is in {copy}", file=sys.stderr)
         return 1

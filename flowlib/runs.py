@@ -44,32 +44,46 @@ def shown(path: Path) -> str:
     return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
 
 
-def policy_checkpoint(value: str, key: str) -> Path:
-    """The stage-1/2 ``best_model.pt`` a parameter ``key`` names: absolute, or relative to the outputs
-    root (``01_shortcut_bc/cpu/best_model.pt``); empty means notebook 01's default run."""
+def checkpoint_location(value: str) -> Path:
+    """Where the stage-1/2 ``best_model.pt`` a parameter names lies, whether or not it is there yet: absolute, or
+    relative to the outputs root (``01_shortcut_bc/cpu/best_model.pt``); empty means notebook 01's default run."""
     path = Path(value or "01_shortcut_bc/default/best_model.pt")
-    if not path.is_absolute():
-        path = outputs_root() / path
+    return path if path.is_absolute() else outputs_root() / path
+
+
+def policy_checkpoint(value: str, key: str) -> Path:
+    """The stage-1/2 ``best_model.pt`` a parameter ``key`` names (``checkpoint_location``), which must exist."""
+    path = checkpoint_location(value)
     if not path.is_file():
         raise FileNotFoundError(f"{key}: checkpoint {path} not found: {_how_to_make(path)} or set {key} to a "
                                 "best_model.pt")
     return path
 
 
-def _how_to_make(path: Path) -> str:
-    """The command whose run writes ``path`` (``<notebook>/<run>/[seed_<s>/]best_model.pt`` under the outputs
-    root), when that run is notebook 01's or 02's default or one of their params/ files."""
+def run_that_writes(path: Path) -> tuple[str, Path | None] | None:
+    """``(notebook, params file or None for its defaults)`` of the run that writes ``path``
+    (``<notebook>/<run>/[seed_<s>/]best_model.pt`` under the outputs root), when that run is notebook 01's or 02's
+    default or one of their params/ files; else None."""
     try:
-        notebook, run = path.relative_to(outputs_root()).parts[:2]
+        notebook, run = Path(path).relative_to(outputs_root()).parts[:2]
     except ValueError:  # outside the outputs root, or too short to name a run
-        notebook, run = "", ""
-    if notebook in ("01_shortcut_bc", "02_aw_shortcut"):
-        params = Path("params") / notebook / f"{run}.yaml"
-        if run == "default":
-            return f"run notebook {notebook[:2]} first (python -m flowlib.run {notebook})"
-        if (REPO_ROOT / params).is_file():
-            return f"run notebook {notebook[:2]} first (python -m flowlib.run {notebook} --params {params})"
-    return "run notebook 01 first (python -m flowlib.run 01_shortcut_bc)"
+        return None
+    if notebook not in ("01_shortcut_bc", "02_aw_shortcut"):
+        return None
+    if run == "default":
+        return notebook, None
+    params = Path("params") / notebook / f"{run}.yaml"
+    return (notebook, params) if (REPO_ROOT / params).is_file() else None
+
+
+def _how_to_make(path: Path) -> str:
+    """The command whose run writes ``path`` (``run_that_writes``)."""
+    run = run_that_writes(path)
+    if run is None:
+        return "run notebook 01 first (python -m flowlib.run 01_shortcut_bc)"
+    notebook, params = run
+    return f"run notebook {notebook[:2]} first (python -m flowlib.run {notebook}" + (
+        f" --params {params})" if params else ")")
 
 
 def _umask() -> int:

@@ -271,3 +271,36 @@ class SteeringConfig(Stage3Config):
     critic_warmup_steps: int = 256
     bench_num_envs: list[int] = dataclasses.field(default_factory=lambda: [2])
     bench_decisions: int = 2
+
+
+@dataclass
+class ChainPPOConfig(Stage3Config):
+    """Notebook 03's parameters: ``Stage3Config`` with defaults for chain PPO on the fast task ``FastReach-v0`` from
+    an MLP stage-1 start (``params/01_shortcut_bc/fast_reach_mlp.yaml``, made by the notebook when missing), at
+    a fifth of ``params/03_reinflow/fast_reach_mlp.yaml``'s env steps and half its envs: a minute on 2 CPU cores."""
+
+    init_checkpoint: str = "01_shortcut_bc/fast_reach_mlp/best_model.pt"
+    env_id: str = "FastReach-v0"
+    num_envs: int = 512
+    max_episode_steps: int = 40
+    num_inference_steps: int = 4
+    log_prob_over: str = "executed_last"
+    max_noise_std: float = 0.1
+    final_noise_std: float = 0.04
+    min_noise_std: float = 0.02
+    noise_decay_steps: int = 10_000_000
+    total_env_steps: int = 2_457_600
+    rollout_steps: int = 10
+    update_epochs: int = 5
+    minibatch_size: int = 2048
+    actor_lr: float = 1e-4
+    critic_lr: float = 1e-3
+    target_kl: float = 0.05
+    critic_warmup_steps: int = 81_920
+    eval_every: int = 10
+    num_eval_episodes: int = 512
+    ckpt_every: int = 10
+    bench_num_envs: list[int] = dataclasses.field(default_factory=lambda: [512])
+    bench_decisions: int = 4
+    num_threads: int = 0
+    run_control: bool = True  # also train the flipped-advantage control, same budget and start (it must get worse)

@@ -98,7 +98,7 @@ from flowlib.tracking import start_run
 # Defaults: TD3 on a per-step residual, a few iterations; params/06_steering/cpu.yaml is the ~1 h target run.
 seed: int = 0  # the run's seed (nets, noise, minibatches)
 init_checkpoint: str = ""  # stage-1/2 best_model.pt, relative to outputs/; "": 01_shortcut_bc/default
-env_id: str = "PickCube-v1"  # the ManiSkill task; must be the start checkpoint's
+env_id: str = "PickCube-v1"  # the task (ManiSkill, or a fast torch task such as FastReach-v0); the start checkpoint's
 num_envs: int = 2  # parallel envs (processes on physx_cpu)
 max_episode_steps: int = 100  # the time limit (a truncation: bootstrapped, not terminal)
 backend: str = "auto"  # "auto", "physx_cpu" or "physx_cuda"

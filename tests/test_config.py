@@ -189,7 +189,7 @@ def test_a_checkpoints_config_reads_old_names_as_the_new_ones():
     (["03_reinflow", "-p", "min_noise_std=0.5"], "need min_noise_std (0.5) <= final_noise_std"),
     (["03_reinflow", "--run-name", "../elsewhere"], "run_name must be a plain folder name"),
     (["02_aw_shortcut"], "stage1_checkpoint: checkpoint"),
-    (["03_reinflow"], "init_checkpoint: checkpoint"),
+    (["03_reinflow", "-p", "init_checkpoint=01_shortcut_bc/nope/best_model.pt"], "init_checkpoint: checkpoint"),
     (["04_flow_sde"], "init_checkpoint: checkpoint"),
     (["06_steering", "--params", str(REPO_ROOT / "params/06_steering/cpu.yaml")],  # the run that writes its start
      "cpu150/best_model.pt not found: run notebook 01 first (python -m flowlib.run 01_shortcut_bc --params "
@@ -264,3 +264,24 @@ def test_a_list_that_arrives_as_text_says_how_to_pass_a_list():
     with pytest.raises(ConfigError) as err:
         validate(Flows2DConfig, {"targets": "[two_moons, rings]"})  # what `papermill -p targets '[...]'` injects
     assert "-y 'targets: [two_moons, rings]' for papermill" in str(err.value)
+
+
+def test_the_chain_ppo_tutorial_may_start_without_its_start_checkpoint_which_it_makes(tmp_path, monkeypatch):
+    """Notebook 03's default start is written by a params file of notebook 01, which the notebook runs when the
+    checkpoint is missing (flowlib.run.ensure_checkpoint); a start no params file writes still stops the run."""
+    from flowlib.run import ensure_checkpoint, preflight
+    from flowlib.runs import checkpoint_location, run_that_writes
+
+    monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path))
+    assert preflight("03_reinflow", resolve_parameters("03_reinflow")) == ""
+    start = checkpoint_location(Stage3Config.__dataclass_fields__["init_checkpoint"].default or "")
+    assert run_that_writes(start) == ("01_shortcut_bc", None)  # Stage3Config's start: notebook 01's defaults
+    tutorial = checkpoint_location(config_class("03_reinflow")().init_checkpoint)
+    assert run_that_writes(tutorial) == ("01_shortcut_bc", Path("params/01_shortcut_bc/fast_reach_mlp.yaml"))
+    missing = resolve_parameters("03_reinflow", overrides={"init_checkpoint": "01_shortcut_bc/nope/best_model.pt"})
+    assert "run notebook 01 first" in preflight("03_reinflow", missing)
+    named = resolve_parameters("03_reinflow", overrides={"init_checkpoint": "01_shortcut_bc/fast_push_mlp/best_model.pt"})
+    assert "run notebook 01 first" in preflight("03_reinflow", named)  # only the default start is made
+    with pytest.raises(FileNotFoundError, match="no params file of notebook 01 or 02 writes it"):
+        ensure_checkpoint(tmp_path / "elsewhere" / "best_model.pt")
+    assert preflight("02_aw_shortcut", resolve_parameters("02_aw_shortcut")).startswith("stage1_checkpoint: ")

@@ -1,5 +1,6 @@
-"""The docs' own links: every relative link in README.md and docs/*.md reaches a file of the repo, and every
-``#anchor`` a heading of its target (GitHub's slugs, as markdown-it's anchors plugin makes them)."""
+"""The docs' own links: every relative link in README.md and docs/**/*.md reaches a file of the repo, and every
+``#anchor`` a heading of its target (GitHub's slugs, as markdown-it's anchors plugin makes them); the README stays a
+front door, and every page of docs/ can be reached from docs/README.md."""
 from pathlib import Path
 
 import pytest
@@ -8,7 +9,8 @@ from mdit_py_plugins.anchors import anchors_plugin
 
 from flowlib.runs import REPO_ROOT
 
-DOCS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+DOCS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").rglob("*.md"))]
+README_MAX_BYTES = 10_240  # the front door: what it is, quick start, results at a glance; the rest lives in docs/
 MD = MarkdownIt("commonmark").enable("table").use(anchors_plugin, max_level=6)
 
 
@@ -51,3 +53,24 @@ def test_a_renamed_heading_is_caught(tmp_path):
     assert broken_links(tmp_path / "b.md") == ["a.md#old-name: no heading with anchor #old-name in a.md"]
     (tmp_path / "b.md").unlink()
     assert broken_links(tmp_path / "a.md")[0].startswith("b.md#the-run-091-5-seeds: no file")
+
+
+def test_the_readme_stays_a_front_door():
+    size = len((REPO_ROOT / "README.md").read_bytes())
+    assert size <= README_MAX_BYTES, (f"README.md is {size} bytes (at most {README_MAX_BYTES}): move detail into docs/ "
+                                      "and link it")
+    headings = [t.content for t in _tokens(REPO_ROOT / "README.md") if t.type == "inline" and t.level == 1]
+    for needed in ("Quick start", "Results at a glance", "Notebooks", "Layout"):
+        assert needed in headings, f"README.md lacks its '{needed}' section"
+
+
+def test_every_docs_page_is_reachable_from_the_docs_index():
+    seen, todo = set(), [REPO_ROOT / "docs" / "README.md"]
+    while todo:
+        page = todo.pop()
+        if page in seen or page.suffix != ".md" or not page.exists():
+            continue
+        seen.add(page)
+        todo += [(page.parent / h.partition("#")[0]).resolve() for h in relative_links(page) if h.partition("#")[0]]
+    orphans = sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "docs").rglob("*.md") if p.resolve() not in seen)
+    assert not orphans, f"link these from docs/README.md (or a page it links): {orphans}"

@@ -19,10 +19,15 @@ def test_a_headless_bar_prints_plain_lines_with_the_count_rate_and_eta(monkeypat
     assert all(re.search(r"\[\d\d:\d\d<[\d:?]+, +[\d.?]+ ?step/s\]$", line) for line in lines)
 
 
-def test_a_headless_bar_waits_its_interval_between_lines(monkeypatch, capsys):
+def test_a_headless_bar_waits_its_interval_between_lines_and_a_short_passing_one_prints_nothing(monkeypatch, capsys):
     monkeypatch.setenv(progress.PROGRESS_ENV, progress.LINES)
-    bar = progress.bar(1000, "evaluating", unit="episode", leave=False)
+    bar = progress.bar(1000, "training", unit="step")
     for _ in range(999):
         bar.update()
+    assert capsys.readouterr().out.splitlines() == ["training: 0/1000 [00:00<?, ?step/s]"]  # then nothing for 15 s
     bar.close()
-    assert capsys.readouterr().out.splitlines() == ["evaluating: 0/1000 [00:00<?, ?episode/s]"]
+    assert capsys.readouterr().out.startswith("training: 999/1000")  # where it ended
+    evaluation = progress.bar(1000, "evaluating", unit="episode", leave=False)  # a quick evaluation inside a run
+    evaluation.update(1000)
+    evaluation.close()
+    assert capsys.readouterr().out == ""

@@ -123,8 +123,8 @@ def test_a_job_the_start_checkpoint_cannot_run_is_known_at_plan_time_and_never_s
     bc.save_checkpoint(start, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
     params = tmp_path / "params"
     params.mkdir()
-    (params / "steps_K16.yaml").write_text("num_inference_steps: 16\n")
-    (params / "steps_K4.yaml").write_text("num_inference_steps: 4\n")
+    (params / "steps_K16.yaml").write_text("env_id: PickCube-v1\nnum_inference_steps: 16\n")
+    (params / "steps_K4.yaml").write_text("env_id: PickCube-v1\nnum_inference_steps: 4\n")
     jobs = sweep.plan("03_reinflow", params, [0], overrides={"init_checkpoint": "01_shortcut_bc/s1/best_model.pt"})
     assert [bool(j.problem) for j in jobs] == [True, False]
     assert "at most 8 steps" in jobs[0].problem and "shortcut_max_steps >= 16" in jobs[0].problem
