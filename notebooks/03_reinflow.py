@@ -24,13 +24,14 @@
 # update), then trains, with a control that must fail.
 #
 # It trains on `FastReach-v0` (`flowlib/fast_envs.py`): a planar reach task stepped as torch tensors, where 512 envs
-# give the thousands of decisions per update the method needs in about a minute on 2 CPU cores. What runs where:
+# run millions of env steps in about a minute on 2 CPU cores. What runs where:
 #
 # | task, size | params | machine | result |
 # |---|---|---|---|
 # | FastReach, this notebook's defaults | none | CPU, 1-2 min | below |
 # | FastReach, the official batch (10k decisions per update) | `params/03_reinflow/fast_reach_mlp.yaml` | CPU, ~2 min of training | 0.521 -> 0.996 over 3 seeds ([record](../docs/fast_tasks.md)) |
-# | PickCube-v1 at CPU scale (256 decisions per update) | `params/03_reinflow/cpu_dense.yaml` | CPU, 10-60 min | no gain ([why](../docs/explanations/cpu_scale.md)) |
+# | FastReach, 256 to 16k decisions per update | `params/03_reinflow/sample_size/` | CPU, 4-20 min each | 1.000 to 0.678 at 2.46M env steps ([curve](../docs/fast_tasks.md)) |
+# | PickCube-v1 at CPU scale (256 decisions per update) | `params/03_reinflow/cpu_dense.yaml` | CPU, 10-60 min | no gain ([what we know](../docs/explanations/cpu_scale.md)) |
 # | PickCube-v1, paper size | `params/03_reinflow/baseline.yaml` | GPU with `physx_cuda` | not run: `physx_cuda` cannot load on our machines |
 #
 # Steering the frozen flow instead (its initial noise, or a residual per env step) is notebook `06_steering`.
@@ -271,9 +272,9 @@ print(f"success_once {gain['mean'] - gain['diff']:.3f} -> {gain['mean']:.3f} ({g
       f"paired, {int(gain['episodes'])} episodes) in {out['train_time_s']:.0f} s of training")
 
 # %% [markdown]
-# ## Why it needs samples
+# ## How many samples
 # The gradient is a likelihood-ratio estimate through the noise of every stochastic step: one decision's advantage
 # is spread over $K \times T_a \times A$ Gaussian dims, and the estimate's noise grows with that while its signal
-# does not. Here an update sees 5,120 decisions; on PickCube at CPU scale it saw 256, and
-# `benchmarks/gradient_snr.py` measured that such an update points along the expected gradient with a cosine of at
-# most ~0.016 ([why chain PPO stalls at CPU scale](../docs/explanations/cpu_scale.md)).
+# does not. Here an update sees 5,120 decisions. On this task 256 per update are enough too, at the same env-step
+# budget (the sample-size curve), while on PickCube at CPU scale about fifty runs at 256 never beat their start
+# ([what we know](../docs/explanations/cpu_scale.md)).
