@@ -220,6 +220,17 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     return {**ckpt, "meta": complete_meta(ckpt["meta"])}
 
 
+def checkpoint_meta(path: str | Path) -> dict[str, Any]:
+    """A policy checkpoint's ``meta``, read once per file version: a sweep checks dozens of jobs against one start."""
+    path = Path(path)
+    return _meta(str(path), path.stat().st_mtime)
+
+
+@functools.lru_cache(maxsize=8)
+def _meta(path: str, mtime: float) -> dict[str, Any]:
+    return read_checkpoint(path)["meta"]
+
+
 def load_policy(path: str | Path, spec=None) -> FlowPolicy:
     """Rebuild a policy from a checkpoint; with an env ``spec``, check they fit."""
     ckpt = read_checkpoint(path)

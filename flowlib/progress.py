@@ -1,4 +1,4 @@
-"""Progress of long loops, shown where the reader is: a bar in JupyterLab, a bar in a terminal, and plain dated
+"""Progress of long loops, shown where the reader is: a bar in JupyterLab, a bar in a terminal, and plain
 lines in a headless run (``python -m flowlib.run``, the sweep, ``make notebooks``), whose kernels cannot draw a
 bar: there each update is one line, ``training: 1200/8000 [02:01<11:20, 9.90 steps/s]``, which papermill streams
 to the terminal and keeps in the executed notebook.

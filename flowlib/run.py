@@ -161,10 +161,10 @@ def ensure_checkpoint(path: Path) -> Path:
 def start_checkpoint_problem(path: Path, key: str, env_id: str) -> str:
     """Why the flow-policy checkpoint ``path`` (parameter ``key``) cannot start a run on ``env_id`` ("" if it can):
     not a torch file, not a stage-1/2 policy, or a policy of another task."""
-    from .bc import read_checkpoint
+    from .bc import checkpoint_meta
 
     try:
-        meta = read_checkpoint(path)["meta"]
+        meta = checkpoint_meta(path)
     except ValueError as err:
         return f"{key}: {err}"
     if meta["env_id"] != env_id:

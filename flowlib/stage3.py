@@ -142,11 +142,6 @@ def init_checkpoint_path(cfg: Stage3Config) -> Path:
     return policy_checkpoint(cfg.init_checkpoint, "init_checkpoint")
 
 
-@functools.lru_cache(maxsize=8)
-def _start_meta(path: str, mtime: float) -> dict:  # a sweep plans dozens of jobs from one start checkpoint
-    return bc.read_checkpoint(path)["meta"]
-
-
 def start_problem(cfg: Stage3Config) -> str:
     """Why the start checkpoint cannot run ``cfg`` ("" if it can): checked before a run or a sweep starts,
     so a job that would fail is known when it is planned.  A start that does not exist yet is not checked
@@ -155,7 +150,7 @@ def start_problem(cfg: Stage3Config) -> str:
         path = init_checkpoint_path(cfg)
     except FileNotFoundError:
         return ""
-    meta = _start_meta(str(path), path.stat().st_mtime)
+    meta = bc.checkpoint_meta(path)
     if cfg.freeze_obs_encoder and not meta["obs_emb_dim"]:
         return (f"freeze_obs_encoder is set, but the start {path} has no obs_encoder (its U-Net reads the flat "
                 f"observation window: stage 1 ran with obs_emb_dim 0): train stage 1 with obs_emb_dim > 0 "
