@@ -58,6 +58,7 @@ class ShortCutBCConfig:
     obs_horizon: PositiveInt = 2
     pred_horizon: PositiveInt = 16
     act_horizon: PositiveInt = 8
+    action_norm: str = "minmax"         # "minmax" (to [-1, 1], Diffusion Policy's) or "meanstd" (standardised)
     velocity_net: str = "unet"          # "unet" (1D temporal U-Net over the chunk) or "mlp" (one flat MLP, ReinFlow's)
     down_dims: list[PositiveInt] = field(default_factory=lambda: [32, 64])  # the U-Net's channel widths
     mlp_dims: list[PositiveInt] = field(default_factory=lambda: [256, 256, 256])  # the MLP's layer widths
@@ -69,6 +70,7 @@ class ShortCutBCConfig:
     train_steps: PositiveInt = 300
     batch_size: PositiveInt = 128
     lr: PositiveFloat = 1e-3
+    lr_schedule: str = "cosine"         # after the warm-up: "cosine" (decay to zero) or "constant"
     weight_decay: NonNegativeFloat = 1e-6
     warmup_steps: NonNegativeInt = 50
     ckpt_every: PositiveInt = 100
@@ -93,6 +95,10 @@ class ShortCutBCConfig:
         if self.velocity_net not in VELOCITY_NETS:
             raise ValueError(f"velocity_net must be one of {VELOCITY_NETS}, got {self.velocity_net!r}")
         check_act_horizon(self.act_horizon, self.obs_horizon, self.pred_horizon)
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if self.action_norm not in Normalizer.MODES:
+            raise ValueError(f"action_norm must be one of {Normalizer.MODES}, got {self.action_norm!r}")
         for k in [*self.eval_inference_steps, self.select_inference_steps]:
             if k > self.shortcut_max_steps or self.shortcut_max_steps % k:
                 raise ValueError(f"inference steps {k} must divide shortcut_max_steps={self.shortcut_max_steps}")
@@ -243,11 +249,16 @@ def load_policy(path: str | Path, spec=None) -> FlowPolicy:
     return policy.eval()
 
 
-def cosine_with_warmup(optimizer, warmup_steps: int, total_steps: int):
-    """Linear warm-up to the base LR, then cosine decay to zero."""
+LR_SCHEDULES = ("cosine", "constant")
+
+
+def cosine_with_warmup(optimizer, warmup_steps: int, total_steps: int, schedule: str = "cosine"):
+    """Linear warm-up to the base LR, then cosine decay to zero (or, ``schedule="constant"``, the base LR)."""
     def factor(step):
         if step < warmup_steps:
             return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
         progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
@@ -368,7 +379,7 @@ def train(cfg, dataset: ChunkDataset, run_path: Path, tracker=None, env=None,
     """ShortCut BC with EMA, AdamW, warm-up + cosine LR; checkpoints ``last.pt`` / ``best_model.pt``.
 
     ``cfg`` is a ``ShortCutBCConfig`` or any config with its training-loop fields (seed,
-    train_steps, batch_size, lr, weight_decay, warmup_steps, ckpt_every, keep_every, log_every, eval_every,
+    train_steps, batch_size, lr, lr_schedule (cosine when absent), weight_decay, warmup_steps, ckpt_every, keep_every, log_every, eval_every,
     num_eval_episodes, val_seed, select_inference_steps, resume).  Stage 2 passes the stage-1 ``policy`` to
     start from, per-sample ``weights`` (``[N]``, aligned with ``dataset.tensors``) and ``extra``
     entries (the critic) stored in every checkpoint.  Trains on CUDA when present, else on CPU.
@@ -390,7 +401,7 @@ def train(cfg, dataset: ChunkDataset, run_path: Path, tracker=None, env=None,
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     policy.to(device)  # before the optimiser: a resumed optimiser's moments then load onto the device too
     optimizer = torch.optim.AdamW(policy.flow.net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = cosine_with_warmup(optimizer, cfg.warmup_steps, cfg.train_steps)
+    scheduler = cosine_with_warmup(optimizer, cfg.warmup_steps, cfg.train_steps, getattr(cfg, "lr_schedule", "cosine"))
     step, best = 0, {"success_once": -1.0, "step": 0}
     last = run_path / "last.pt"
     save = functools.partial(save_checkpoint, policy=policy, optimizer=optimizer, scheduler=scheduler, cfg=cfg,

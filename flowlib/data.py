@@ -276,22 +276,26 @@ class ChunkDataset(Dataset):
     ``T - obs_horizon`` (every step at which the policy acts, the last included).  Out-of-episode
     rows are padded: before the start with the first observation / action; after the end with a
     zero arm action and the last gripper command (``pd_ee_delta_pos`` is a delta: zero = hold
-    still).  The policy executes ``chunk[obs_horizon - 1 : obs_horizon - 1 + act_horizon]``.
+    still; ``gripper=False`` for tasks without one, such as the fast tasks: every dim zero).  The policy
+    executes ``chunk[obs_horizon - 1 : obs_horizon - 1 + act_horizon]``.  Observations are standardised;
+    actions are min-max scaled to ``[-1, 1]`` (``action_norm="minmax"``, Diffusion Policy's) or standardised
+    (``"meanstd"``): where the demos' actions fill a small part of their range, as the push demonstrator's, a
+    velocity net's error in normalised units costs twice the raw precision under min-max (docs/fast_tasks.md).
     """
 
     def __init__(self, episodes: list[Episode], obs_horizon: int = 2, pred_horizon: int = 16,
                  obs_normalizer: Normalizer | None = None, action_normalizer: Normalizer | None = None,
-                 delta_actions: bool = True):
+                 delta_actions: bool = True, action_norm: str = "minmax", gripper: bool = True):
         if pred_horizon < obs_horizon:
             raise ValueError(f"pred_horizon ({pred_horizon}) must be >= obs_horizon ({obs_horizon})")
         self.obs_horizon, self.pred_horizon = obs_horizon, pred_horizon
         self.episodes = episodes
-        self.delta_actions = delta_actions
+        self.delta_actions, self.gripper = delta_actions, gripper
         self.index = [(e, s) for e, ep in enumerate(episodes) for s in range(-(obs_horizon - 1), len(ep) - obs_horizon + 1)]
         # copies of given normalisers (a policy's, in stage 2): training moves that policy to the GPU, not these
         self.obs_normalizer = (Normalizer.fit(np.concatenate([ep.obs for ep in episodes]), "meanstd")
                                if obs_normalizer is None else copy.deepcopy(obs_normalizer).cpu())
-        self.action_normalizer = (Normalizer.fit(np.concatenate([ep.actions for ep in episodes]), "minmax")
+        self.action_normalizer = (Normalizer.fit(np.concatenate([ep.actions for ep in episodes]), action_norm)
                                   if action_normalizer is None else copy.deepcopy(action_normalizer).cpu())
 
     @property
@@ -315,7 +319,7 @@ class ChunkDataset(Dataset):
         actions = ep.actions[np.clip(act_idx, 0, T - 1)].copy()
         after = act_idx >= T
         if after.any() and self.delta_actions:
-            actions[after, :-1] = 0.0  # hold still; keep the last gripper command
+            actions[after, :-1 if self.gripper else None] = 0.0  # hold still; keep the last gripper command
         return obs, actions
 
     @staticmethod

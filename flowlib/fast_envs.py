@@ -23,8 +23,9 @@ Evaluation flags: ``is_contact`` (the pusher touched the disc this step), ``is_o
 
 Each has a scripted demonstrator (``demonstrate``) that is deliberately imperfect (module ``DEMO_*`` settings), so
 that behaviour cloning from it plateaus below full success and RL has something to gain: the reach demonstrator
-moves at part speed with a per-episode heading error, the push demonstrator pushes with a per-episode angle error
-and stops once the disc is near the goal, short of the precision success needs.
+moves at part speed with a per-episode heading error; the push demonstrator goes behind the disc and pushes it towards
+the goal at part speed, with a per-episode angle error, slowing as the disc nears the goal (so it stops on it). Both
+fail mostly by running out of time, which a faster, straighter policy does not.
 
 Seeding: env ``i`` reset with seed ``s`` draws its initial state (and the demonstrator its per-episode errors) from
 ``torch.Generator().manual_seed(s)``, so an episode depends on its seed alone, not on ``num_envs`` or the device.
@@ -256,14 +257,17 @@ FAST_TASKS = {cls.env_id: cls for cls in (FastReach, FastPush)}
 # The demonstrators' imperfections (module docstring): chosen so that the demos succeed in about 0.5-0.75 of episodes.
 DEMO_REACH_SPEED = 0.55  # of MAX_STEP
 DEMO_REACH_HEADING_ERROR = 0.6  # rad, the largest per-episode heading error
+DEMO_PUSH_SPEED = 0.28  # of MAX_STEP, approaching and pushing
 DEMO_PUSH_ANGLE_ERROR = 0.3  # rad, the largest per-episode error of the push direction
-DEMO_PUSH_STOP = 0.06  # it stops pushing once the disc is this close to the goal (success needs 0.03)
-DEMO_NOISE = 0.1  # std of the action noise
+DEMO_PUSH_REACH = 0.04  # it pushes while the pusher is within this gap of the disc
+DEMO_NOISE = 0.1  # std of the action noise (reach)
+DEMO_PUSH_NOISE = 0.03  # std of the action noise (push: a clone that replays more loses the disc)
 
 
 def demonstrate(env: FastVecEnv, generator: torch.Generator | None = None) -> torch.Tensor:
     """The scripted demonstrator's actions ``[N, 2]`` for the envs' current states (module docstring)."""
-    noise = DEMO_NOISE * torch.randn(env.num_envs, 2, generator=generator).to(env.device)
+    noise = torch.randn(env.num_envs, 2, generator=generator).to(env.device)
+    noise *= DEMO_PUSH_NOISE if isinstance(env, FastPush) else DEMO_NOISE
     err = 2 * env.demo_params[:, 0] - 1                                                  # [N] in [-1, 1]
     if isinstance(env, FastReach):
         to_goal = env.state["g"] - env.state["p"]
@@ -273,18 +277,23 @@ def demonstrate(env: FastVecEnv, generator: torch.Generator | None = None) -> to
         action = torch.where(close, to_goal / MAX_STEP, step)
     elif isinstance(env, FastPush):
         p, c, g = env.state["p"], env.state["c"], env.state["g"]
-        b = env.behind()
-        u = (g - c) / (g - c).norm(dim=-1, keepdim=True).clamp(min=1e-6)
-        lined_up = ((p - b).norm(dim=-1) < 0.03) | (((c - p) * u).sum(-1) > 0.9 * (c - p).norm(dim=-1))
-        # reach b around the disc: aim at a waypoint beside it while the pusher is on the goal's side
-        side = torch.stack([-u[:, 1], u[:, 0]], -1) * torch.sign(((p - c) * torch.stack([-u[:, 1], u[:, 0]], -1))
-                                                                 .sum(-1, keepdim=True) + 1e-6)
+        to_goal = (g - c).norm(dim=-1, keepdim=True)                                     # [N, 1]
+        u = (g - c) / to_goal.clamp(min=1e-6)                                            # [N, 2] disc -> goal
+        normal = (c - p) / (c - p).norm(dim=-1, keepdim=True).clamp(min=1e-6)             # [N, 2] pusher -> disc
+        # push while touching (or nearly) from behind, within 60 degrees of the goal line
+        pushing = ((c - p).norm(dim=-1) < env.PUSHER_RADIUS + env.DISC_RADIUS + DEMO_PUSH_REACH) & \
+            ((normal * u).sum(-1) > 0.5)
+        # otherwise go to the point behind the disc, around it while the pusher is on the goal's side
+        across = torch.stack([-u[:, 1], u[:, 0]], -1)
+        side = across * torch.sign(((p - c) * across).sum(-1, keepdim=True) + 1e-6)
         ahead = ((p - c) * u).sum(-1, keepdim=True) > -0.05
-        waypoint = torch.where(ahead, c + 0.22 * side - 0.1 * u, b)
+        waypoint = torch.where(ahead, c + 0.22 * side - 0.1 * u, env.behind())
         approach = (waypoint - p) / MAX_STEP
-        push = _rotate(u, DEMO_PUSH_ANGLE_ERROR * err)
-        done = ((g - c).norm(dim=-1) < DEMO_PUSH_STOP)[:, None]
-        action = torch.where(done, torch.zeros_like(p), torch.where(lined_up[:, None], push, approach))
+        approach = DEMO_PUSH_SPEED * approach / approach.norm(dim=-1, keepdim=True).clamp(min=1.0)
+        # the push slows down as the disc nears the goal, so it stops there; its heading is off by a per-episode angle
+        speed = torch.minimum(torch.full_like(to_goal, DEMO_PUSH_SPEED), to_goal / MAX_STEP)
+        push = _rotate(u, DEMO_PUSH_ANGLE_ERROR * err) * speed
+        action = torch.where(pushing[:, None], push, approach)
     else:
         raise ValueError(f"no demonstrator for {type(env).__name__}")
     return (action + noise).clamp(-1, 1)

@@ -104,6 +104,12 @@ def transition(method: str, x: torch.Tensor, velocity: torch.Tensor, t, dt: floa
     return s * data_hat + (1 - s) * math.cos(angle) * noise_hat, (1 - s) * math.sin(angle)
 
 
+def clamp_mean(mean: torch.Tensor, bounds: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """``mean [B, ..., A]`` clamped into ``bounds = (low [A], high [A])`` (None: unchanged): a denoising step's
+    mean kept inside the action range, as ReinFlow clamps it (``denoised_clip_value``)."""
+    return mean if bounds is None else torch.maximum(torch.minimum(mean, bounds[1]), bounds[0])
+
+
 def gaussian_entropy(std: torch.Tensor) -> torch.Tensor:
     """Mean entropy per dim of a diagonal Gaussian, ``[B, ...]`` std -> ``[B]``: ``1/2 (1 + log 2 pi) + log std``
     averaged over the dims (the mean does not enter)."""
@@ -163,7 +169,8 @@ def sample_chain(velocity_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tenso
                  method: str, noise_level: float = 0.0, stochastic: torch.Tensor | None = None,
                  generator: torch.Generator | None = None,
                  log_prob_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
-                 noise_std_fn: Callable[[torch.Tensor], torch.Tensor] | None = None, noise_corr: float = 0.0):
+                 noise_std_fn: Callable[[torch.Tensor], torch.Tensor] | None = None, noise_corr: float = 0.0,
+                 mean_bounds: tuple[torch.Tensor, torch.Tensor] | None = None, noise_clip: float = 0.0):
     """Run ``K`` steps on ``flows.time_grid(K)`` from ``x0 [B, ...]``.
 
     ``velocity_fn(x, t) -> velocity``; ``noise_std_fn(t) -> noise_std`` (learned-noise methods) is called only
@@ -172,7 +179,10 @@ def sample_chain(velocity_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tenso
     Returns ``chain [B, K+1, ...]`` and the per-step log-probs ``[B, K]`` (0 at ODE steps):
     ``log_prob_fn(x_next, mean, std, k) -> [B]``, by default ``gaussian_log_prob`` over every dim.
     ``noise_corr``: the noise of a step is correlated along dim 1 (``correlated_noise``); ``log_prob_fn``
-    must then score it with the same ``corr``.
+    must then score it with the same ``corr``.  ReinFlow's two guards (its ``denoised_clip_value`` and
+    ``randn_clip_value``): ``mean_bounds = (low, high)``, each broadcast over the last dim, clamps every stochastic
+    step's mean (``clamp_mean``; the scorer must clamp alike), and ``noise_clip > 0`` clips the standard normal draw
+    to ``+-noise_clip`` (3: no step lands past 3 sigma; the clipped point is scored under the same Gaussian).
     """
     log_prob_fn = log_prob_fn or (lambda x_next, mean, std, k: gaussian_log_prob(x_next, mean, std, noise_corr))
     B, K, dt = x0.shape[0], num_steps, 1.0 / num_steps
@@ -189,7 +199,10 @@ def sample_chain(velocity_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tenso
         if mask[:, k].any():
             noise_std = noise_std_fn(t) if noise_std_fn is not None else None
             mean, std = transition(method, x, velocity, t, dt, noise_level, noise_std)
+            mean = clamp_mean(mean, mean_bounds)
             eps = correlated_noise(x.shape, noise_corr, generator).to(x.device)
+            if noise_clip > 0:
+                eps = eps.clamp(-noise_clip, noise_clip)
             noisy = mean + std * eps
             std = torch.as_tensor(std, dtype=x.dtype, device=x.device).expand_as(x)
             lp = log_prob_fn(noisy, mean, std, k)

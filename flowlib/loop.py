@@ -49,6 +49,20 @@ def noise_schedule(kind: str, progress: float, init: float, final: float) -> flo
     raise ValueError(f"noise schedule must be one of {NOISE_SCHEDULES}, got {kind!r}")
 
 
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def lr_factor(kind: str, progress: float, min_ratio: float) -> float:
+    """The learning rates' multiplier at training ``progress`` in [0, 1]: constant 1, or (``"cosine"``, ReinFlow's
+    ``CosineAnnealingWarmupRestarts`` without restarts) ``r + (1 - r) (1 + cos(pi p)) / 2``, ``r = min_ratio``."""
+    if kind == "constant":
+        return 1.0
+    if kind == "cosine":
+        p = min(max(progress, 0.0), 1.0)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p))
+    raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {kind!r}")
+
+
 @dataclass
 class RunConfig:
     """What every stage-3 run has, whatever its method: the start, the env and learning's reward, the exploration
@@ -80,6 +94,8 @@ class RunConfig:
     gamma: Fraction = 0.99  # discount per env step
     actor_lr: NonNegativeFloat = 3e-5  # the policy's learning rate (0: the policy stays as it starts, a control)
     critic_lr: PositiveFloat = 1e-4  # the value / Q nets' learning rate
+    lr_schedule: str = "constant"  # both learning rates over the run: "constant" or "cosine" (down to lr_min_ratio)
+    lr_min_ratio: Fraction = 0.1  # "cosine": the rates end at this share of actor_lr and critic_lr
     max_grad_norm: PositiveFloat = 1.0  # gradient-norm clip of every update
     obs_clip: NonNegativeFloat = 5.0  # normalised observations clipped to +-obs_clip (0: off)
     critic_warmup_steps: NonNegativeInt = 128  # iterations that start within these env steps update only the critic
@@ -117,6 +133,7 @@ class RunConfig:
                ("place_weight", "the cube-to-goal offset"))],
             (self.noise_schedule in NOISE_SCHEDULES,
              f"noise_schedule must be one of {NOISE_SCHEDULES}, got {self.noise_schedule!r}"),
+            (self.lr_schedule in LR_SCHEDULES, f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}"),
             (self.min_noise_std <= min(self.max_noise_std, self.final_noise_std),
              f"need min_noise_std ({self.min_noise_std}) <= final_noise_std ({self.final_noise_std}) and "
              f"max_noise_std ({self.max_noise_std})"),
@@ -295,6 +312,11 @@ def train(cfg: RunConfig, agent, learner, env, run_path: Path, tracker=None) -> 
         max_std = noise_schedule(cfg.noise_schedule, runner.env_steps / max(cfg.noise_decay_steps, 1),
                                  cfg.max_noise_std, cfg.final_noise_std)
         agent.set_max_noise_std(max_std)
+        lr_scale = lr_factor(cfg.lr_schedule, iteration / num_iters, cfg.lr_min_ratio)
+        for opt in (learner.actor_opt, learner.critic_opt):
+            for group in opt.param_groups:  # each group scaled from the rate it was built with (kept in last.pt)
+                group.setdefault("base_lr", group["lr"])
+                group["lr"] = group["base_lr"] * lr_scale
         agent.eval()
         t0 = time.time()
         steps_before, data, policy_time = learner.collect()
@@ -305,7 +327,7 @@ def train(cfg: RunConfig, agent, learner, env, run_path: Path, tracker=None) -> 
         stats = learner.update(data, train_policy=not warmup)
         update_time = time.time() - t1
         episodes = runner.pop_finished()
-        row = {"iteration": iteration + 1, "max_noise_std": max_std, "critic_warmup": float(warmup),
+        row = {"iteration": iteration + 1, "max_noise_std": max_std, "lr_scale": lr_scale, "critic_warmup": float(warmup),
                "episodes": len(episodes), "rollout_time": rollout_time, "rollout_policy_time": policy_time,
                "update_time": update_time, "env_steps_per_s": per_iter / max(rollout_time, 1e-9), **stats,
                **episode_stats(episodes)}

@@ -44,6 +44,8 @@ class ChainConfig:
     log_prob_over: str = "chunk"  # the dims each step scores: "chunk" / "executed_last" (exact) or "executed"
     noise_corr: Fraction = 0.0  # correlation of a step's noise along the chunk's H actions, in [0, 1)
     freeze_obs_encoder: bool = False  # keep the velocity net's obs_encoder (stage 1's obs_emb_dim > 0) fixed
+    clip_chain_means: bool = False  # clamp each noisy step's mean into the action range (ReinFlow's denoised clip)
+    noise_clip: NonNegativeFloat = 0.0  # clip each step's standard normal draw at +-noise_clip sigma (0: off; ReinFlow: 3)
 
     def chain_checks(self) -> list[tuple[bool, str]]:
         return [(self.noise_method in METHODS, f"noise_method must be one of {METHODS}, got {self.noise_method!r}"),
@@ -73,7 +75,8 @@ def chain_agent(policy, cfg) -> ReinFlowAgent:
                          tuple(cfg.value_hidden_dims), noise_level=cfg.noise_level,
                          freeze_obs_encoder=cfg.freeze_obs_encoder, **score_options(cfg),
                          include_initial_noise=cfg.include_initial_noise, log_prob_over=cfg.log_prob_over,
-                         noise_method=cfg.noise_method, hybrid=cfg.hybrid, noise_corr=cfg.noise_corr)
+                         noise_method=cfg.noise_method, hybrid=cfg.hybrid, noise_corr=cfg.noise_corr,
+                         clip_chain_means=cfg.clip_chain_means, noise_clip=cfg.noise_clip)
 
 
 def score_options(cfg) -> dict:

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from . import bc
-from .flow_sde import (LEARNED_NOISE, check_method, full_mask, gaussian_entropy, gaussian_log_prob, hybrid_mask,
+from .flow_sde import (LEARNED_NOISE, check_method, clamp_mean, full_mask, gaussian_entropy, gaussian_log_prob, hybrid_mask,
                        sample_chain, stochastic_steps, transition)
 from .flows import time_grid
 from .nets import SinusoidalEmbedding, mlp
@@ -147,7 +147,7 @@ class ReinFlowAgent(bc.ChunkPolicy):
                  noise_method: str = "reinflow", noise_level: float = 0.5, hybrid: bool = False,
                  log_prob_reduce: str = "sum", critic_input: str = "obs", detach_critic_input: bool = True,
                  act_horizon: int | None = 0, obs_clip: float = 5.0, noise_corr: float = 0.0,
-                 freeze_obs_encoder: bool = False):
+                 freeze_obs_encoder: bool = False, clip_chain_means: bool = False, noise_clip: float = 0.0):
         super().__init__()
         check_method(noise_method)
         for name, value, allowed in (("log_prob_over", log_prob_over, LOG_PROB_OVER),
@@ -159,7 +159,10 @@ class ReinFlowAgent(bc.ChunkPolicy):
             raise ValueError(f"obs_clip must be >= 0 (0: no clipping), got {obs_clip}")
         if not 0 <= noise_corr < 1:
             raise ValueError(f"noise_corr must be in [0, 1) (0: independent noise per chunk step), got {noise_corr}")
-        self.obs_clip, self.noise_corr = float(obs_clip), float(noise_corr)
+        if not noise_clip >= 0:
+            raise ValueError(f"noise_clip must be >= 0 (0: off; ReinFlow uses 3), got {noise_clip}")
+        self.obs_clip, self.noise_corr, self.noise_clip = float(obs_clip), float(noise_corr), float(noise_clip)
+        self.clip_chain_means = clip_chain_means
         meta = policy.meta
         flow = policy.flow
         if flow.ema is not None:
@@ -318,7 +321,8 @@ class ReinFlowAgent(bc.ChunkPolicy):
         stochastic = torch.zeros(B, self.K, dtype=torch.bool) if deterministic else self.stochastic_mask(B, generator)
         chain, step_lp = sample_chain(lambda x, t: self.actor.base(x, t, d, o), x0, self.K, self.noise_method,
                                       float(self.noise_level), stochastic, generator, log_prob_fn=self._step_log_prob,
-                                      noise_std_fn=lambda t: self._noise_std(t, o), noise_corr=self.noise_corr)
+                                      noise_std_fn=lambda t: self._noise_std(t, o), noise_corr=self.noise_corr,
+                                      mean_bounds=self.mean_bounds(), noise_clip=self.noise_clip)
         stochastic = stochastic.to(device)
         log_prob = torch.zeros(B, device=device) if deterministic else self.joint_log_prob(step_lp, stochastic, chain)
         return (chain, log_prob, stochastic, step_lp) if return_steps else (chain, log_prob)
@@ -339,6 +343,7 @@ class ReinFlowAgent(bc.ChunkPolicy):
         velocity = self.actor.base(x, t, torch.full_like(t, self.d), o[b])
         noise_std = self._noise_std(t, o[b])
         mean, std = transition(self.noise_method, x, velocity, t, 1.0 / K, float(self.noise_level), noise_std)
+        mean = clamp_mean(mean, self.mean_bounds())
         std = torch.as_tensor(std, dtype=x.dtype, device=x.device).expand_as(x)
         lp = self._step_log_prob(x_next, mean, std, k)                                              # [P]
         # [P] (std is shared over H); noise_corr only adds a constant, left out so noise_std reads as sigma
@@ -353,6 +358,14 @@ class ReinFlowAgent(bc.ChunkPolicy):
         stochastic = stochastic.to(chain.device)
         step_lp, entropy = self.step_log_probs(obs_window, chain, stochastic)
         return self.joint_log_prob(step_lp, stochastic, chain), entropy
+
+    def mean_bounds(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """With ``clip_chain_means``: the env's action range ``[-1, 1]`` in normalised units, ``([A], [A])``, into
+        which every stochastic step's mean is clamped (ReinFlow's ``denoised_clip_value`` 1 on its min-max scale)."""
+        if not self.clip_chain_means:
+            return None
+        ones = torch.ones(self.action_dim, device=self.action_normalizer.shift.device)
+        return self.action_normalizer.normalize(-ones), self.action_normalizer.normalize(ones)
 
     def actions(self, chain: torch.Tensor) -> torch.Tensor:
         """Executed actions in env units: ``x_K[To-1 : To-1+Ta]`` unnormalised, clipped to [-1, 1]."""

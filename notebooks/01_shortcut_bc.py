@@ -51,7 +51,7 @@ import torch
 
 from flowlib import bc, config, runs
 from flowlib.data import ChunkDataset, check_held_out, generate_demos, load_demos
-from flowlib.envs import make_env
+from flowlib.envs import is_fast, make_env
 from flowlib.tracking import start_run
 
 # %% tags=["parameters"]
@@ -64,6 +64,7 @@ demo_file: str = ""  # an existing ManiSkill .h5 (state, pd_ee_delta_pos); "" me
 obs_horizon: int = 2  # observations the policy conditions on (T_o)
 pred_horizon: int = 16  # actions per predicted chunk (H)
 act_horizon: int = 8  # actions of each chunk executed before replanning (T_a)
+action_norm: str = "minmax"  # "minmax" (to [-1, 1], Diffusion Policy's) or "meanstd" (standardised)
 down_dims: list[int] = [32, 64]  # the U-Net's channel widths
 emb_dim: int = 32  # width of the time and step-size embeddings
 obs_emb_dim: int = 0  # 0: the flat obs window conditions the U-Net; > 0: an MLP obs_encoder first
@@ -121,11 +122,13 @@ print(f"every demo succeeds: {all(ep.success.any() for ep in episodes)}; rewards
 # ## Windows: observation history and action chunk
 # Sample $i$ pairs $o_{s:s+T_o}$ with $a_{s:s+H}$; windows overhanging the episode are padded
 # (first observation / action before the start; after the end a zero displacement with the last
-# gripper command, i.e. "hold still"). Observations are standardised, actions min-max scaled to
-# $[-1, 1]$; both normalisers are stored with the checkpoint.
+# gripper command, i.e. "hold still"; every dim zero on a task without a gripper). Observations are
+# standardised, actions min-max scaled to $[-1, 1]$ (or standardised, `action_norm: meanstd`); both
+# normalisers are stored with the checkpoint.
 
 # %%
-dataset = ChunkDataset(episodes, cfg.obs_horizon, cfg.pred_horizon)
+dataset = ChunkDataset(episodes, cfg.obs_horizon, cfg.pred_horizon, action_norm=cfg.action_norm,
+                       gripper=not is_fast(cfg.env_id))
 obs_w, act_w = dataset[len(dataset) // 3]
 fig, ax = plt.subplots(figsize=(6, 2.6))
 ax.plot(act_w.numpy(), marker=".")

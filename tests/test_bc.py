@@ -94,6 +94,23 @@ def test_config_rejects_inconsistent_horizons_and_steps():
         bc.ShortCutBCConfig(act_horizon=16)
     with pytest.raises(ValueError, match="divide shortcut_max_steps"):
         bc.ShortCutBCConfig(eval_inference_steps=[3])
+    with pytest.raises(ValueError, match="lr_schedule must be one of"):
+        bc.ShortCutBCConfig(lr_schedule="step")
+    with pytest.raises(ValueError, match="action_norm must be one of"):
+        bc.ShortCutBCConfig(action_norm="none")
+
+
+@pytest.mark.parametrize("schedule, late", [("cosine", 0.0), ("constant", 1.0)])
+def test_learning_rate_warms_up_then_decays_or_holds(schedule, late):
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = bc.cosine_with_warmup(opt, warmup_steps=4, total_steps=20, schedule=schedule)
+    lrs = []
+    for _ in range(20):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0] and lrs[4] == 1.0
+    assert sched.get_last_lr()[0] == pytest.approx(late)
 
 
 def test_the_policy_and_the_dataset_own_their_normalisers_so_moving_the_policy_moves_neither_dataset():

@@ -38,6 +38,24 @@ def test_padding_at_both_episode_edges():
     assert act[:, -1].tolist() == [-8, -9, -9, -9, -9, -9]  # ... holding the last gripper command
 
 
+def test_padding_without_a_gripper_holds_every_dim_still():
+    """A task without a gripper (the fast tasks: a 2D displacement) pads every dim with zero after the end; with
+    the gripper rule its first dim would be zero and its last kept, a move the demonstrator never made."""
+    ds = ChunkDataset([episode(10, action_dim=2)], obs_horizon=2, pred_horizon=6, gripper=False)
+    _, act = ds.window(0, 8)
+    assert act.tolist() == [[8, -8], [9, -9], [0, 0], [0, 0], [0, 0], [0, 0]]
+
+
+def test_actions_standardised_on_request():
+    eps = [episode(10), episode(5, offset=3.0)]
+    obs, act = ChunkDataset(eps, 2, 4, action_norm="meanstd").tensors()
+    raw = np.concatenate([e.actions for e in eps])
+    assert torch.allclose(ChunkDataset(eps, 2, 4, action_norm="meanstd").action_normalizer.shift, torch.tensor(raw.mean(0)))
+    assert act.abs().max() > 1  # not squeezed into [-1, 1]
+    with pytest.raises(ValueError, match="normalizer mode must be one of"):
+        ChunkDataset(eps, 2, 4, action_norm="minmix")
+
+
 def test_tensors_match_items_and_are_normalised():
     ds = ChunkDataset([episode(10), episode(5, offset=3.0)], obs_horizon=2, pred_horizon=4)
     obs, act = ds.tensors()

@@ -80,7 +80,8 @@ def test_an_episode_depends_on_its_seed_alone_not_on_num_envs_or_a_partial_reset
     assert torch.equal(many.step(actions)[0], first)
 
 
-@pytest.mark.parametrize("task, low, high", [("FastReach-v0", 0.5, 0.8), ("FastPush-v0", 0.5, 0.8)])
+# the push demonstrator is set higher (0.76 of its 1,000 demos): its clone loses ~half of that (docs/fast_tasks.md)
+@pytest.mark.parametrize("task, low, high", [("FastReach-v0", 0.5, 0.8), ("FastPush-v0", 0.6, 0.9)])
 def test_the_demonstrator_is_imperfect_in_the_intended_band(task, low, high):
     env = make_env(task, 400)
     env.reset(seed=0)

@@ -146,6 +146,39 @@ def test_noise_std_stays_in_its_bounds_and_follows_the_max():
         assert std.shape == (5, ACT_DIM) and (std >= 0.05 - 1e-7).all() and (std <= max_std + 1e-7).all()
 
 
+def test_reinflows_guards_keep_means_in_the_action_range_and_draws_within_3_sigma_and_score_alike():
+    """clip_chain_means and noise_clip (ReinFlow's denoised and randn clips): every stochastic step's mean lies in
+    the normalised action range, every step's draw within 3 sigma of it, and re-scoring the stored chains gives the
+    log-probs the sampler recorded (the ratio starts at 1 with the guards on)."""
+    policy, dataset = tiny_policy()
+    agent = reinflow_agent.ReinFlowAgent(policy, 4, min_noise_std=0.2, max_noise_std=0.3, value_hidden_dims=(16,),
+                                         noise_hidden=16, clip_chain_means=True, noise_clip=3.0)
+    obs = torch.stack([dataset[i][0] for i in range(5)]).repeat(40, 1, 1)                   # [200, To, O]
+    chain, log_prob, stochastic, _ = agent.sample(obs, torch.Generator().manual_seed(0), return_steps=True)
+    low, high = agent.mean_bounds()
+    assert torch.allclose(agent.action_normalizer.unnormalize(low), -torch.ones(ACT_DIM))
+    o = agent.obs_normalizer.normalize(obs)
+    with torch.no_grad():
+        for k in range(4):
+            t = torch.full((len(obs),), k / 4)
+            mean = chain[:, k] + 0.25 * agent.actor.base(chain[:, k], t, torch.full_like(t, 0.25), o)
+            clamped = torch.maximum(torch.minimum(mean, high), low)
+            std = agent.actor.noise_net(t, o.flatten(1))[:, None]
+            assert ((chain[:, k + 1] - clamped).abs() <= 3 * std + 1e-5).all()
+            assert (mean != clamped).any() or k > 0  # the clamp binds somewhere, or the test proves nothing
+    rescored, _ = agent.log_prob(obs, chain, stochastic)
+    assert torch.allclose(rescored, log_prob, atol=1e-4)
+    with pytest.raises(ValueError, match="noise_clip"):
+        reinflow_agent.ReinFlowAgent(policy, 4, noise_clip=-1.0)
+
+
+@pytest.mark.parametrize("kind, expected", [("constant", (1.0, 1.0, 1.0)), ("cosine", (1.0, 0.55, 0.1))])
+def test_learning_rate_schedules_at_start_half_and_end(kind, expected):
+    assert [loop.lr_factor(kind, p, 0.1) for p in (0.0, 0.5, 1.0)] == pytest.approx(expected)
+    with pytest.raises(ValueError, match="lr_schedule"):
+        loop.lr_factor("step", 0.5, 0.1)
+
+
 def test_deterministic_chain_is_the_ode_of_the_flow():
     agent, obs = tiny_agent(K=4)
     chain, _ = agent.sample(obs, torch.Generator().manual_seed(0), deterministic=True)
