@@ -57,7 +57,7 @@ import torch
 
 from flowlib import awsc, bc, config, critic as critics, runs
 from flowlib.data import ChunkDataset, check_held_out, generate_demos, load_demos
-from flowlib.envs import make_env
+from flowlib.envs import is_fast, make_env
 from flowlib.tracking import Tracker, start_run
 
 # %% tags=["parameters"]
@@ -146,7 +146,8 @@ print(f"contrast (some episodes succeed, some fail): {0 < np.mean([ep.success.an
 # training and held-out sets. The held-out episodes measure whether $V$ tracks real returns.
 
 # %%
-dataset = ChunkDataset(episodes, stage1.obs_horizon, stage1.pred_horizon, stage1.obs_normalizer, stage1.action_normalizer)
+dataset = ChunkDataset(episodes, stage1.obs_horizon, stage1.pred_horizon, stage1.obs_normalizer, stage1.action_normalizer,
+                       gripper=not is_fast(cfg.env_id))
 transitions = critics.chunk_transitions(dataset, stage1.act_horizon, cfg.gamma, cfg.reward)
 held_out_episodes = awsc.holdout_mask(sources, cfg.holdout_fraction, cfg.seed)
 held_out = torch.as_tensor(held_out_episodes)[transitions.episode]
