@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from . import progress
+from .guards import require_finite
 from .config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields
 from .data import ChunkDataset, Episode, Normalizer
 from .envs import control_mode as task_control_mode
@@ -438,6 +439,8 @@ def train(cfg, dataset: ChunkDataset, run_path: Path, tracker=None, env=None,
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = nn.utils.clip_grad_norm_(policy.flow.net.parameters(), 1.0)
+        require_finite(grad_norm, "the velocity net's gradient norm", f"step {step}", "lower lr, or check the demos and "
+                       "action_norm (a constant action dim scaled by a zero range)")
         optimizer.step()
         scheduler.step()
         policy.flow.update_ema()

@@ -37,6 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import progress
+from .guards import require_finite
 from .data import ChunkDataset, Episode, Normalizer
 from .nets import mlp
 
@@ -270,7 +271,8 @@ def train_critic(critic: ChunkCritic, data: ChunkTransitions, steps: int, batch_
         total = sum(losses.values())
         optimizer.zero_grad(set_to_none=True)
         total.backward()
-        nn.utils.clip_grad_norm_(params, 10.0)
+        require_finite(nn.utils.clip_grad_norm_(params, 10.0), f"the {critic.kind} critic's gradient norm",
+                       f"step {step}", "lower the critic's lr, or check the rewards for NaN")
         optimizer.step()
         critic.after_step()
         if step == 1 or step % log_every == 0 or step == steps:

@@ -44,6 +44,7 @@ import torch.nn as nn
 from .buffers import ReplayBuffer
 from .config import NonNegativeFloat, PositiveFloat
 from .flow_sde import gaussian_entropy
+from .guards import require_finite
 from .latent import LatentSteeringAgent
 from .learners import ReplayLearner
 from .nets import TwinQ, frozen
@@ -115,7 +116,8 @@ def sac_update(agent: LatentSACAgent, batch: dict[str, torch.Tensor], actor_opt,
     q_loss = (q - y).pow(2).mean(1).sum()
     critic_opt.zero_grad(set_to_none=True)
     q_loss.backward()
-    nn.utils.clip_grad_norm_(agent.value_parameters(), cfg.max_grad_norm)
+    require_finite(nn.utils.clip_grad_norm_(agent.value_parameters(), cfg.max_grad_norm), "the twin Q's gradient norm",
+                   "a SAC step", "lower critic_lr, or check the rewards for NaN")
     critic_opt.step()
     stats = {"value_loss": q_loss.item() / 2, "q": q.mean().item(), "target": y.mean().item()}
     if train_policy:
@@ -127,7 +129,8 @@ def sac_update(agent: LatentSACAgent, batch: dict[str, torch.Tensor], actor_opt,
         alpha_loss = -(agent.log_alpha.exp() * (kl.detach() - cfg.sac_target_kl)).mean()
         actor_opt.zero_grad(set_to_none=True)
         (actor_loss + alpha_loss).backward()  # disjoint parameters: kl is detached in alpha_loss, alpha in actor_loss
-        nn.utils.clip_grad_norm_(agent.policy_parameters(), cfg.max_grad_norm)
+        require_finite(nn.utils.clip_grad_norm_(agent.policy_parameters(), cfg.max_grad_norm),
+                       "the latent policy's gradient norm", "a SAC step", "lower actor_lr")
         actor_opt.step()
         stats.update({"policy_loss": actor_loss.item(), "kl": kl.mean().item(),
                       "entropy": gaussian_entropy(sigma).mean().item(),

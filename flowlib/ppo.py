@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from .guards import require_finite
 
 ESTIMATORS = ("gae", "mc", "nstep", "grpo", "branch")
 
@@ -321,7 +322,9 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
                 loss.backward()
             sums = {k: float(v) for k, v in sums.items()}                    # one sync per minibatch
             stats["value_loss"].append(sums["value_loss"] / w_total.item())
-            nn.utils.clip_grad_norm_(agent.value_parameters(), cfg.max_grad_norm)
+            at = f"epoch {epoch}, minibatch {start // cfg.minibatch_size}"
+            require_finite(nn.utils.clip_grad_norm_(agent.value_parameters(), cfg.max_grad_norm),
+                           "the value net's gradient norm", at, "lower critic_lr, or check the rewards for NaN")
             critic_opt.step()
             if step_policy:
                 first = False
@@ -330,7 +333,8 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
                 stats["entropy"].append(sums["entropy"] / w_total.item())
                 stats["approx_kl"].append(sums["approx_kl"] / live)                # Schulman's k3
                 stats["clip_frac"].append(sums["clip_frac"] / live)
-                nn.utils.clip_grad_norm_(agent.policy_parameters(), cfg.max_grad_norm)
+                require_finite(nn.utils.clip_grad_norm_(agent.policy_parameters(), cfg.max_grad_norm),
+                               "the policy's gradient norm", at, "lower actor_lr or clip_coef")
                 actor_opt.step()
                 policy_steps += 1
                 if cfg.target_kl and stats["approx_kl"][-1] > cfg.target_kl:

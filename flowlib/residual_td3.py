@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from .buffers import ReplayBuffer
 from .config import NonNegativeFloat, NonNegativeInt, PositiveInt
+from .guards import require_finite
 from .learners import ReplayLearner
 from .nets import frozen
 from .residual_step import StepCollector, StepResidualAgent
@@ -71,14 +72,16 @@ def td3_update(agent: StepResidualAgent, batch: dict[str, torch.Tensor], actor_o
     q_loss = (q - y).pow(2).mean(1).sum()
     critic_opt.zero_grad(set_to_none=True)
     q_loss.backward()
-    nn.utils.clip_grad_norm_(critic_opt.param_groups[0]["params"], cfg.max_grad_norm)  # = value_parameters()
+    require_finite(nn.utils.clip_grad_norm_(critic_opt.param_groups[0]["params"], cfg.max_grad_norm),  # = value_parameters()
+                   "the twin Q's gradient norm", "a TD3 step", "lower critic_lr, or check the rewards for NaN")
     critic_opt.step()
     stats = {"value_loss": q_loss.item() / 2, "q": q.mean().item(), "target": y.mean().item()}
     if train_policy:
         loss, mu = actor_loss(agent, s, cfg.residual_l2)
         actor_opt.zero_grad(set_to_none=True)
         loss.backward()
-        nn.utils.clip_grad_norm_(actor_opt.param_groups[0]["params"], cfg.max_grad_norm)  # = policy_parameters()
+        require_finite(nn.utils.clip_grad_norm_(actor_opt.param_groups[0]["params"], cfg.max_grad_norm),  # = policy_parameters()
+                       "the residual actor's gradient norm", "a TD3 step", "lower actor_lr")
         actor_opt.step()
         stats.update({"policy_loss": loss.item(), "residual_rms": mu.pow(2).mean().sqrt().item()})
     agent.update_targets(cfg.target_tau, actor=train_policy)  # Q_bar follows Q in the warm-up too

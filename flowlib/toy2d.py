@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import progress
+from .guards import require_finite
 from .config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields, require
 from .flows import METHODS, FlowModel, MeanFlow, MeanFlowTimes, ReFlow, ShortCut
 from .nets import ConditionalMLP
@@ -139,6 +140,7 @@ def train_2d(model: FlowModel, target: str, cfg: Flows2DConfig, tracker=None, de
     for step in range(cfg.train_steps):
         x1 = TARGETS[target](cfg.batch_size)
         loss, info = model.loss(x1)
+        require_finite(loss, f"{target} {type(model).__name__} loss", f"step {step}", "lower lr or emb_scale")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

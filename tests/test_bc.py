@@ -423,3 +423,13 @@ def test_an_mlp_policy_trains_round_trips_and_an_old_checkpoint_reads_as_a_unet(
     assert bc.complete_meta(old)["velocity_net"] == "unet"
     with pytest.raises(ValueError, match="velocity_net must be one of"):
         tiny_cfg(velocity_net="transformer")
+
+
+def test_a_diverging_run_stops_with_the_step_and_the_fix_and_keeps_its_last_checkpoint(tmp_path):
+    """At lr 1e30 the first step throws the weights to ~1e30 and the next gradient is not finite: training stops
+    there, before the optimiser applies it, and ``last.pt`` (step 1) holds finite weights."""
+    dataset = ChunkDataset(random_episodes(), 2, 16)
+    with pytest.raises(FloatingPointError, match=r"velocity net's gradient norm is (nan|inf) at step \d+: lower lr"):
+        bc.train(tiny_cfg(lr=1e30, train_steps=20, ckpt_every=1), dataset, tmp_path)
+    ckpt = bc.read_checkpoint(tmp_path / "last.pt")
+    assert all(torch.isfinite(v).all() for v in ckpt["flow"].values() if v.is_floating_point())

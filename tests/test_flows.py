@@ -228,3 +228,10 @@ def test_net_rejects_missing_or_unexpected_observation():
         net(x, t, t)
     with pytest.raises(ValueError, match="obs_dim=0"):
         ConditionalMLP(dim=2, hidden=8, depth=1)(x, t, t, torch.randn(4, 3))
+
+
+def test_a_diverging_2d_fit_stops_with_the_step_and_the_fix():
+    from flowlib.toy2d import Flows2DConfig, build_model, train_2d
+    cfg = Flows2DConfig(train_steps=50, lr=1e30, hidden=16, depth=2)
+    with pytest.raises(FloatingPointError, match=r"two_moons ReFlow loss is (nan|inf) at step \d+: lower lr"):
+        train_2d(build_model("reflow", cfg), "two_moons", cfg)

@@ -12,7 +12,8 @@ FLOWLIB = REPO / "flowlib"
 
 # bottom to top; a module may import from its own layer and the ones before it
 LAYERS = {
-    "core": {"config", "runs", "progress", "metrics", "nets", "flows", "unet", "flow_sde", "toy2d", "tracking", "sysdeps"},
+    "core": {"config", "runs", "progress", "guards", "metrics", "nets", "flows", "unet", "flow_sde", "toy2d", "tracking",
+             "sysdeps"},
     "world": {"fast_envs", "envs", "data", "smdp"},
     "policy": {"bc", "critic", "awsc"},
     "rl core": {"ppo", "buffers", "loop", "learners"},

@@ -289,3 +289,15 @@ def test_micro_batches_give_the_same_update_as_one_pass(ratio_mode, hybrid):
         assert s_sliced[k] == pytest.approx(s_whole[k], rel=1e-4, abs=1e-6), k
     with pytest.raises(ValueError, match="'micro_batch_size' = -1: should be greater than or equal to 0"):
         stage3.Stage3Config(micro_batch_size=-1)
+
+
+def test_a_nan_return_stops_the_update_before_it_touches_the_weights():
+    """A NaN reaching the value loss would, once clipped, turn every weight NaN; the update raises instead, naming
+    the net, the minibatch and the fix, and leaves both nets as they were."""
+    agent, obs = agent_for("reinflow")
+    batch = batch_of(agent, obs)
+    batch["returns"][3] = float("nan")
+    before = [p.detach().clone() for p in agent.parameters()]
+    with pytest.raises(FloatingPointError, match=r"value net's gradient norm is nan at epoch 0, minibatch 0: lower critic_lr"):
+        one_update(agent, batch)
+    assert all(torch.equal(a, b) for a, b in zip(before, agent.parameters()))
