@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# CPU install path: keep the pin (the local CPU wheel); a plain `torch` pulls GBs of CUDA wheels.
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[dev,sim]"
+	$(PY) -m pip install -q -e ".[dev,sim,ray]"
 	touch $@
 
 demo: install

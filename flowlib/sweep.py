@@ -20,8 +20,11 @@ tell will fail (``flowlib.run.preflight``: e.g. K = 16 from a start trained for 
 ``fail`` by ``--dry-run`` and recorded without being started.
 
 Backends: ``local`` runs one job per listed GPU at a time (``CUDA_VISIBLE_DEVICES``; ``--gpus``
-empty = ``--jobs`` CPU jobs); ``ray`` submits the same jobs as Ray tasks with ``num_gpus=1`` to an
-existing cluster (``ray.init(address="auto")``).  No scheduler of our own beyond a GPU pool.
+empty = ``--jobs`` CPU jobs); ``ray`` submits the same jobs as Ray tasks to a running cluster
+(``--ray-address``, default ``auto``: the cluster this machine belongs to, as ``ray start`` made it), one GPU
+per job when the cluster has GPUs, else one CPU (``--gpus-per-job`` to choose).  Ray places and retries
+nothing by our code: no scheduler of our own beyond a GPU pool.  Every node needs this repository at the same
+path with its environment, and the outputs folder on storage they share (``FLOWLIB_OUTPUTS``).
 """
 from __future__ import annotations
 
@@ -66,6 +69,7 @@ class Job:
     out_dir: str
     overrides: dict = field(default_factory=dict)  # -p KEY=VALUE given to every job of the sweep
     problem: str = ""  # why it cannot run (flowlib.run.preflight): recorded as failed, never started
+    outputs: str = ""  # the outputs root the job writes under (FLOWLIB_OUTPUTS), passed to workers on other nodes
 
     @property
     def finished(self) -> bool:
@@ -116,7 +120,7 @@ def plan(notebook: str, params_dir: str | Path, seeds: list[int], sweep_name: st
             run_name = f"{sweep}/{name}"
             values = resolve_parameters(notebook, str(f), {**overrides, "seed": s}, run_name)  # a typo stops the plan
             jobs.append(Job(name, str(f), s, run_name, str(outputs_root() / notebook / sweep / name), overrides,
-                            preflight(notebook, values, require_inputs=False)))
+                            preflight(notebook, values, require_inputs=False), str(outputs_root())))
     return jobs
 
 
@@ -126,6 +130,8 @@ def run_job(job: Job, notebook: str, gpu: str | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "error.txt").unlink(missing_ok=True)
     env = dict(os.environ)
+    if job.outputs:
+        env["FLOWLIB_OUTPUTS"] = job.outputs  # a Ray worker has its node's environment, not the driver's
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     t0 = time.time()
@@ -172,20 +178,33 @@ def run_local(jobs: list[Job], notebook: str, gpus: list[str], max_jobs: int = 1
         return list(pool.map(one, jobs))
 
 
-def run_ray(jobs: list[Job], notebook: str, address: str = "auto") -> list[dict]:
-    """The same jobs as Ray tasks, one GPU each, on an existing cluster."""
+def run_ray(jobs: list[Job], notebook: str, address: str = "auto", gpus_per_job: float | None = None) -> list[dict]:
+    """The same jobs as Ray tasks on a running cluster at ``address``: ``gpus_per_job`` GPUs each (default: 1 when
+    the cluster has GPUs, else 0 and one CPU).  Ray sets each task's ``CUDA_VISIBLE_DEVICES``; every start and end
+    is a line, as with the local backend."""
     try:
         import ray
     except ImportError as err:
-        raise ImportError("--backend ray needs Ray: pip install 'ray[default]' and start a cluster (ray start --head)") from err
-    ray.init(address=address)
-    remote = ray.remote(num_gpus=1)(lambda job: run_job(job, notebook, gpu=None))  # Ray sets CUDA_VISIBLE_DEVICES
-    return ray.get([remote.remote(job) for job in jobs])
+        raise ImportError("--backend ray needs Ray: pip install -e '.[ray]' and start a cluster (ray start --head)") from err
+    if not ray.is_initialized():
+        ray.init(address=address, log_to_driver=False)
+    if gpus_per_job is None:
+        gpus_per_job = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
+    remote = ray.remote(num_gpus=gpus_per_job, num_cpus=0 if gpus_per_job else 1, max_retries=0)(run_job)
+    pending = {remote.remote(job, notebook, None): job for job in jobs}
+    print(f"[ray] {len(jobs)} jobs on {address}, {gpus_per_job} GPU each; progress in each job's job.log", flush=True)
+    rows = {}
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1)
+        job = pending.pop(done[0])
+        rows[job.name] = row = ray.get(done[0])
+        print(f"[{len(rows)}/{len(jobs)} {row['status']}] {job.name} ({row['wall_s']}s)", flush=True)
+    return [rows[job.name] for job in jobs]
 
 
 def run_sweep(notebook: str, params_dir: str | Path, seeds: list[int], gpus: list[str] | None = None,
               max_jobs: int = 1, backend: str = "local", dry_run: bool = False, sweep_name: str | None = None,
-              overrides: dict | None = None) -> dict:
+              overrides: dict | None = None, ray_address: str = "auto", gpus_per_job: float | None = None) -> dict:
     jobs = plan(notebook, params_dir, seeds, sweep_name, overrides)
     todo = [j for j in jobs if not j.finished]
     sweep_dir = Path(jobs[0].out_dir).parent
@@ -207,7 +226,8 @@ def run_sweep(notebook: str, params_dir: str | Path, seeds: list[int], gpus: lis
     rows = [record_unstartable(j) for j in todo if j.problem]
     runnable = [j for j in todo if not j.problem]
     if runnable:
-        rows += run_ray(runnable, notebook) if backend == "ray" else run_local(runnable, notebook, gpus or [], max_jobs)
+        rows += (run_ray(runnable, notebook, ray_address, gpus_per_job) if backend == "ray"
+                 else run_local(runnable, notebook, gpus or [], max_jobs))
     failed = [r["job"] for r in rows if r["status"] != "done"]
     print(f"done: {len(rows) - len(failed)} ok, {len(failed)} failed" + (f" ({', '.join(failed)})" if failed else ""))
     return {"jobs": len(jobs), "todo": len(todo), "ran": rows}
@@ -312,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--gpus", nargs="*", default=[], help="GPU ids, one job per GPU at a time (local backend)")
     r.add_argument("--jobs", type=int, default=1, help="concurrent CPU jobs when no --gpus are given")
     r.add_argument("--backend", choices=["local", "ray"], default="local")
+    r.add_argument("--ray-address", default="auto", help="the Ray cluster (ray backend): auto, or HEAD_IP:6379")
+    r.add_argument("--gpus-per-job", type=float, help="GPUs per Ray task (default: 1 if the cluster has GPUs, else 0)")
     r.add_argument("--sweep-name", help="folder under outputs/<notebook>/ (default: the params folder's name)")
     r.add_argument("-p", "--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override one parameter in every job (not one the files ablate)")
@@ -322,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "run":
             out = run_sweep(args.notebook, args.params_dir, args.seeds, args.gpus, args.jobs, args.backend,
-                            args.dry_run, args.sweep_name, parse_overrides(args.set))
+                            args.dry_run, args.sweep_name, parse_overrides(args.set), args.ray_address,
+                            args.gpus_per_job)
             return 1 if any(r["status"] != "done" for r in out["ran"]) else 0
         rows = monitor(args.sweep_dir)
     except (ConfigError, FileNotFoundError) as err:
