@@ -31,7 +31,7 @@
 # | FastReach, this notebook's defaults | none | CPU, 1-2 min | below |
 # | FastReach, the official batch (10k decisions per update) | `params/03_reinflow/fast_reach_mlp.yaml` | CPU, ~2 min of training | 0.521 -> 0.996 over 3 seeds ([record](../docs/fast_tasks.md)) |
 # | FastReach, 256 to 16k decisions per update | `params/03_reinflow/sample_size/` | CPU, 4-20 min each | 1.000 to 0.678 at 2.46M env steps ([curve](../docs/fast_tasks.md)) |
-# | FastPush, the contact task, 10k decisions per update | `params/03_reinflow/fast_push_mlp.yaml` | CPU, ~8 min of training | 0.372 -> 0.940-0.954 over 3 seeds ([record](../docs/fast_tasks.md)) |
+# | FastPush, the contact task, 10k decisions per update | `params/03_reinflow/fast_push_mlp.yaml` | CPU, ~8 min of training | 0.672 -> 0.988-0.991 over 3 seeds ([record](../docs/fast_tasks.md)) |
 # | either task, the official ReinFlow recipe | `params/03_reinflow/recipe/` | CPU, 6-10 min | about 4x fewer env steps, slower per CPU second ([recipes](../docs/fast_tasks.md)) |
 # | PickCube-v1 at CPU scale (256 decisions per update) | `params/03_reinflow/cpu_dense.yaml` | CPU, 10-60 min | no gain ([what we know](../docs/explanations/cpu_scale.md)) |
 # | PickCube-v1, paper size | `params/03_reinflow/baseline.yaml` | GPU with `physx_cuda` | not run: `physx_cuda` cannot load on our machines |
