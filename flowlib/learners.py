@@ -26,7 +26,7 @@ import torch
 from .buffers import ReplayBuffer, RolloutBuffer
 from .flow_sde import LOG_2PI
 from .loop import on_all_cores
-from .ppo import explained_variance, ppo_update
+from .ppo import RunningRewardScaler, explained_variance, ppo_update
 
 
 def decisions_per_iteration(cfg, act_horizon: int) -> int:
@@ -41,6 +41,7 @@ class PPOLearner:
     def __init__(self, agent, cfg, make_rollout: Callable, scorer=None, name: str = "PPO"):
         self.agent, self.cfg, self.make_rollout, self.name = agent, cfg, make_rollout, name
         self.scorer = agent if scorer is None else scorer
+        self.reward_scaler = RunningRewardScaler() if cfg.reward_scaling else None
 
     def build_optimizers(self) -> None:
         # Adam rescales each coordinate by its own gradient noise; SGD keeps the gradient's direction
@@ -68,6 +69,8 @@ class PPOLearner:
         return steps_before, buf, buf.policy_time
 
     def update(self, buf: RolloutBuffer, train_policy: bool) -> dict[str, float]:
+        if self.reward_scaler is not None:  # the values then learn returns in units of the return's running std
+            buf.rewards = self.reward_scaler(buf.rewards, buf.discounts, buf.ends)
         advantages, returns = buf.advantages(self.cfg)
         if self.cfg.flip_advantages:  # the control: the same update along the opposite of the estimated gradient
             advantages = -advantages
@@ -77,13 +80,16 @@ class PPOLearner:
         stats["explained_variance"] = explained_variance(buf.values[live], returns[live])
         if "entropy" in stats:  # geometric-mean noise std from the Gaussian entropy
             stats["noise_std"] = math.exp(stats["entropy"] - 0.5 * (1 + LOG_2PI))
+        if self.reward_scaler is not None:
+            stats["reward_scale"] = self.reward_scaler.scale
         return stats
 
     def state(self) -> dict:
-        return {}
+        return {"reward_scaler": self.reward_scaler.state_dict()} if self.reward_scaler is not None else {}
 
     def load_state(self, ckpt: dict, path) -> None:
-        pass
+        if self.reward_scaler is not None and "reward_scaler" in ckpt:
+            self.reward_scaler.load_state_dict(ckpt["reward_scaler"])
 
 
 class ReplayLearner:

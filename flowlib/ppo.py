@@ -26,6 +26,7 @@ advantage and its own clipped ratio; the loss averages over the stochastic steps
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,7 @@ class PPOConfig:
     norm_adv: bool = True  # advantages normalised per minibatch
     flip_advantages: bool = False  # a control: PPO ascends -A, so a method that learns must get worse
     ratio_mode: str = "joint"           # "joint" (one-layer MDP) or "per_step" (two-layer MDP: a ratio per step)
+    reward_scaling: bool = False        # rewards / running std of the discounted return (ReinFlow's, DPPO's)
 
     def ppo_checks(self) -> list[tuple[bool, str]]:
         """``(ok, message)`` per check across these fields (``config.require`` raises the first that fails)."""
@@ -78,6 +80,57 @@ class PPOConfig:
             (self.group_size >= 2, "group_size must be >= 2 (a group of one has no baseline)"),
             (self.dual_clip == 0 or self.dual_clip > 1, "dual_clip must be 0 (off) or > 1"),
         ]
+
+
+# --------------------------------------------------------------------------- reward scaling
+
+
+class RunningRewardScaler:
+    """Rewards divided by a running standard deviation of the discounted return, then clipped to ``+-clip``: the
+    ``RunningRewardScaler`` of DPPO and ReinFlow (after OpenAI baselines' ``VecNormalize``).
+
+    Per env (column), the return so far runs over decisions, ``G_t = R_t + gamma^tau_{t-1} G_{t-1}``, restarting at
+    0 after an episode ends; every ``G_t`` of a rollout updates a running mean and variance (the parallel update of
+    Chan et al. 1979, from a prior of count 1e-4), and the rewards come back as ``R_t / sqrt(Var[G] + eps)``. It
+    changes the scale of the values, not the sign of an advantage; ``state_dict`` keeps it across a resume.
+    """
+
+    def __init__(self, clip: float = 10.0, eps: float = 1e-8):
+        self.clip, self.eps = clip, eps
+        self.mean, self.var, self.count = 0.0, 1.0, 1e-4
+        self.returns: torch.Tensor | None = None  # [N] the running G of each env, float64
+
+    def __call__(self, rewards: torch.Tensor, discounts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """``rewards``, ``discounts`` (``gamma^tau``), ``ends``: ``[T, N]`` of one rollout -> the scaled rewards."""
+        T, N = rewards.shape
+        if self.returns is None or self.returns.shape != (N,):
+            self.returns = torch.zeros(N, dtype=torch.float64)
+        G = torch.empty(T, N, dtype=torch.float64)
+        for t in range(T):
+            self.returns = rewards[t].double() + self.returns
+            G[t] = self.returns
+            self.returns = torch.where(ends[t].bool(), 0.0, discounts[t].double() * self.returns)
+        self.update(G.flatten())
+        return (rewards / math.sqrt(self.var + self.eps)).clamp(-self.clip, self.clip)
+
+    def update(self, x: torch.Tensor) -> None:
+        n, mean, var = x.numel(), float(x.mean()), float(x.var(unbiased=False))
+        total = self.count + n
+        delta = mean - self.mean
+        self.mean += delta * n / total
+        self.var = (self.var * self.count + var * n + delta ** 2 * self.count * n / total) / total
+        self.count = total
+
+    @property
+    def scale(self) -> float:
+        """The factor the rewards are multiplied by now, ``1 / sqrt(Var[G] + eps)``."""
+        return 1.0 / math.sqrt(self.var + self.eps)
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean, "var": self.var, "count": self.count, "returns": self.returns}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean, self.var, self.count, self.returns = state["mean"], state["var"], state["count"], state["returns"]
 
 
 # --------------------------------------------------------------------------- advantages

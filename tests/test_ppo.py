@@ -1,5 +1,7 @@
 """The PPO toolkit: advantage estimators against each other and by hand, GRPO groups, dual clip,
 Huber value clipping, the two ratio formulations, and the critic on the velocity net's features."""
+import math
+
 import pytest
 import torch
 
@@ -301,3 +303,23 @@ def test_a_nan_return_stops_the_update_before_it_touches_the_weights():
     with pytest.raises(FloatingPointError, match=r"value net's gradient norm is nan at epoch 0, minibatch 0: lower critic_lr"):
         one_update(agent, batch)
     assert all(torch.equal(a, b) for a, b in zip(before, agent.parameters()))
+
+
+def test_the_running_reward_scaler_divides_by_the_std_of_the_discounted_return_and_restarts_at_episode_ends():
+    """One env, rewards 1 with a discount of 0.5 per decision, an episode end after decision 2: the running returns
+    are 1, 1.5, 1.75, then 1, 1.5 again; the rewards come back divided by the std of those five (the count-1e-4 prior
+    moves it by less than 1e-3), and a scaler restored from its state_dict scales the next rollout the same way."""
+    rewards, discounts = torch.ones(5, 1), torch.full((5, 1), 0.5)
+    ends = torch.tensor([[False], [False], [True], [False], [False]])
+    scaler = ppo.RunningRewardScaler()
+    scaled = scaler(rewards, discounts, ends)
+    G = torch.tensor([1.0, 1.5, 1.75, 1.0, 1.5], dtype=torch.float64)
+    assert abs(scaler.var - G.var(unbiased=False).item()) < 1e-3 and abs(scaler.mean - G.mean().item()) < 1e-3
+    assert torch.allclose(scaled, rewards / math.sqrt(scaler.var + 1e-8))
+    assert scaler.returns.tolist() == [0.5 * 1.5]  # carried into the next rollout, discounted
+    twin = ppo.RunningRewardScaler()
+    twin.load_state_dict(scaler.state_dict())
+    more = torch.tensor([[2.0], [0.0]])
+    assert torch.equal(scaler(more, discounts[:2], ends[:2]), twin(more, discounts[:2], ends[:2]))
+    big = ppo.RunningRewardScaler(clip=1.0)
+    assert big(torch.tensor([[100.0], [0.0]]), discounts[:2], ends[:2]).max() == 1.0  # clipped at +-clip
