@@ -19,7 +19,7 @@ class NonFiniteError(FloatingPointError):
 def require_finite(value: torch.Tensor | float, what: str, at: str, fix: str) -> None:
     """Raise ``NonFiniteError`` when ``value`` (a scalar) is NaN or inf, naming ``what``, where (``at``: "step 12")
     and the ``fix``."""
-    number = float(value)
+    number = float(value.detach() if isinstance(value, torch.Tensor) else value)
     if not math.isfinite(number):
         raise NonFiniteError(f"{what} is {number} at {at}: {fix}. Nothing from this step was applied; "
                              "the last checkpoint holds the weights from before it")
