@@ -375,9 +375,12 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
                 loss.backward()
             sums = {k: float(v) for k, v in sums.items()}                    # one sync per minibatch
             stats["value_loss"].append(sums["value_loss"] / w_total.item())
-            at = f"epoch {epoch}, minibatch {start // cfg.minibatch_size}"
+            at = f"epoch {epoch}, minibatch {start // cfg.minibatch_size}"  # both norms checked before either step
             require_finite(nn.utils.clip_grad_norm_(agent.value_parameters(), cfg.max_grad_norm),
                            "the value net's gradient norm", at, "lower critic_lr, or check the rewards for NaN")
+            if step_policy:
+                require_finite(nn.utils.clip_grad_norm_(agent.policy_parameters(), cfg.max_grad_norm),
+                               "the policy's gradient norm", at, "lower actor_lr or clip_coef")
             critic_opt.step()
             if step_policy:
                 first = False
@@ -386,8 +389,6 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
                 stats["entropy"].append(sums["entropy"] / w_total.item())
                 stats["approx_kl"].append(sums["approx_kl"] / live)                # Schulman's k3
                 stats["clip_frac"].append(sums["clip_frac"] / live)
-                require_finite(nn.utils.clip_grad_norm_(agent.policy_parameters(), cfg.max_grad_norm),
-                               "the policy's gradient norm", at, "lower actor_lr or clip_coef")
                 actor_opt.step()
                 policy_steps += 1
                 if cfg.target_kl and stats["approx_kl"][-1] > cfg.target_kl:
