@@ -36,10 +36,12 @@ def decisions_per_iteration(cfg, act_horizon: int) -> int:
 
 class PPOLearner:
     """PPO on what ``make_rollout(agent, runner, generator)() -> RolloutBuffer`` collects, scored by ``scorer``
-    (the agent, or a view of it whose ``obs`` / ``chains`` are what its rollouts store)."""
+    (the agent, or a view of it whose ``obs`` / ``chains`` are what its rollouts store), with an optional
+    ``regulariser`` of the policy in the loss (``ppo_update``; chain ReinFlow's ``W2Regulariser``)."""
 
-    def __init__(self, agent, cfg, make_rollout: Callable, scorer=None, name: str = "PPO"):
+    def __init__(self, agent, cfg, make_rollout: Callable, scorer=None, name: str = "PPO", regulariser=None):
         self.agent, self.cfg, self.make_rollout, self.name = agent, cfg, make_rollout, name
+        self.regulariser = regulariser  # a penalty on the policy added to PPO's loss (``ppo_update``), or None
         self.scorer = agent if scorer is None else scorer
         self.reward_scaler = RunningRewardScaler() if cfg.reward_scaling else None
 
@@ -75,7 +77,7 @@ class PPOLearner:
         if self.cfg.flip_advantages:  # the control: the same update along the opposite of the estimated gradient
             advantages = -advantages
         stats = ppo_update(self.scorer, buf.flat(advantages, returns), self.actor_opt, self.critic_opt, self.cfg,
-                           train_policy=train_policy, generator=self.gen)
+                           train_policy=train_policy, generator=self.gen, regulariser=self.regulariser)
         live = buf.weights > 0
         stats["explained_variance"] = explained_variance(buf.values[live], returns[live])
         if "entropy" in stats:  # geometric-mean noise std from the Gaussian entropy

@@ -305,7 +305,7 @@ def _policy_sums(agent, batch: dict[str, torch.Tensor], idx: torch.Tensor, adv: 
 
 
 def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg, train_policy: bool = True,
-               generator: torch.Generator | None = None) -> dict[str, float]:
+               generator: torch.Generator | None = None, regulariser=None) -> dict[str, float]:
     """Epochs of PPO minibatches over a flat batch of chain decisions.
 
     ``batch``: ``obs``, ``chains [n, K+1, H, A]``, ``stochastic [n, K]``, ``log_probs [n]`` (joint) and
@@ -315,7 +315,9 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
     ``joint_log_prob(step_log_probs, stochastic, chains)``, ``policy_parameters()``, ``value_parameters()``.
     ``cfg`` provides the fields of ``PPOConfig`` and ``max_grad_norm``.
 
-    ``L = policy_loss - c_H H[noise] + c_v value_loss``.  Before the first optimiser step the stored and
+    ``L = policy_loss - c_H H[noise] + c_v value_loss (+ c_R R)``, where the optional ``regulariser`` maps
+    ``(obs [b], generator)`` to a per-row penalty ``R [b]`` of the policy and carries its weight as ``coeff``
+    (ReinFlow's W2 pull to the start policy: ``flowlib.reinflow.W2Regulariser``; logged as ``bc_loss``).  Before the first optimiser step the stored and
     re-scored log-probs are the same computation on the same grid, so every ratio must be 1: checked
     on the first minibatch, every update.  ``train_policy=False`` (critic warm-up) fits only the value.
 
@@ -339,7 +341,8 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
         mean = _masked_mean(adv_all, weights)
         std = _masked_mean((adv_all - mean) ** 2, weights).sqrt()
         adv_all = (adv_all - mean) / (std + 1e-8)
-    stats: dict[str, list[float]] = {k: [] for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac")}
+    stats: dict[str, list[float]] = {k: [] for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac",
+                                                     "bc_loss")}
     first, stopped_early, epoch, policy_steps = True, False, 0, 0
     policy_epochs = cfg.policy_epochs or cfg.update_epochs
     for epoch in range(cfg.update_epochs):
@@ -353,7 +356,8 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
             step_policy = train_policy_now and not stopped_early
             w_total = w.sum()
             row_w_total = _row_weights(batch["stochastic"][idx], w, cfg.ratio_mode).sum().clamp(min=1e-8)
-            sums = dict.fromkeys(("value_loss", "policy_loss", "entropy", "approx_kl", "clip_frac", "live"), 0.0)
+            sums = dict.fromkeys(("value_loss", "policy_loss", "entropy", "approx_kl", "clip_frac", "live", "bc_loss"),
+                                 0.0)
             actor_opt.zero_grad(set_to_none=True)
             critic_opt.zero_grad(set_to_none=True)
             for micro in idx.split(cfg.micro_batch_size or len(idx)):      # gradient accumulation
@@ -370,6 +374,10 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
                                            "update: sampling and re-scoring disagree (time grid, noise or "
                                            "normalisation differ)")
                     loss = loss + p["policy_loss"] / row_w_total - cfg.ent_coef * p["entropy"] / w_total
+                    if regulariser is not None:
+                        r_sum = (regulariser(batch["obs"][micro], generator) * wm).sum()
+                        loss = loss + regulariser.coeff * r_sum / w_total
+                        sums["bc_loss"] = sums["bc_loss"] + r_sum.detach()
                     for key in ("policy_loss", "entropy", "approx_kl", "clip_frac", "live"):
                         sums[key] = sums[key] + p[key].detach()
                 loss.backward()
@@ -389,6 +397,8 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
                 stats["entropy"].append(sums["entropy"] / w_total.item())
                 stats["approx_kl"].append(sums["approx_kl"] / live)                # Schulman's k3
                 stats["clip_frac"].append(sums["clip_frac"] / live)
+                if regulariser is not None:
+                    stats["bc_loss"].append(sums["bc_loss"] / w_total.item())
                 actor_opt.step()
                 policy_steps += 1
                 if cfg.target_kl and stats["approx_kl"][-1] > cfg.target_kl:

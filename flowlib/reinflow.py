@@ -23,11 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .awsc import load_from_aw_shortcut_flow
 from .buffers import RolloutBuffer
 from .config import Fraction, NonNegativeFloat
 from .flow_sde import METHODS
 from .learners import PPOLearner, decisions_per_iteration
 from .reinflow_agent import LOG_PROB_OVER, LOG_PROB_REDUCE, ReinFlowAgent
+from .runs import policy_checkpoint
 from .smdp import ChunkRunner
 
 CRITIC_INPUTS = ("obs", "velocity_features")
@@ -46,6 +48,7 @@ class ChainConfig:
     freeze_obs_encoder: bool = False  # keep the velocity net's obs_encoder (stage 1's obs_emb_dim > 0) fixed
     clip_chain_means: bool = False  # clamp each noisy step's mean into the action range (ReinFlow's denoised clip)
     noise_clip: NonNegativeFloat = 0.0  # clip each step's standard normal draw at +-noise_clip sigma (0: off; ReinFlow: 3)
+    bc_coeff: NonNegativeFloat = 0.0  # weight of the W2 pull to the start policy in PPO's loss (ReinFlow's bc_loss; 0: off)
 
     def chain_checks(self) -> list[tuple[bool, str]]:
         return [(self.noise_method in METHODS, f"noise_method must be one of {METHODS}, got {self.noise_method!r}"),
@@ -97,6 +100,40 @@ def chunk_rollout(cfg):
 def chunk_ppo(agent, cfg, name: str = "ReinFlow") -> PPOLearner:
     """PPO on chunk decisions (``collect``), for the chain and for the steers that score one Gaussian per chunk."""
     return PPOLearner(agent, cfg, chunk_rollout(cfg), name=name)
+
+
+def chain_ppo(agent: ReinFlowAgent, cfg) -> PPOLearner:
+    """Chain ReinFlow's learner: ``chunk_ppo``, with ``W2Regulariser`` to the start policy when ``bc_coeff > 0``."""
+    regulariser = None
+    if cfg.bc_coeff > 0:
+        start_policy, _ = load_from_aw_shortcut_flow(policy_checkpoint(cfg.init_checkpoint, "init_checkpoint"))
+        regulariser = W2Regulariser(agent, chain_agent(start_policy, cfg), cfg.bc_coeff)
+    return PPOLearner(agent, cfg, chunk_rollout(cfg), name="ReinFlow", regulariser=regulariser)
+
+
+class W2Regulariser:
+    """ReinFlow's behaviour-cloning regulariser (its ``bc_loss_type: W2``): PPO's loss gains
+
+        coeff * E_{x_0 ~ N(0, I)} || f_theta(s, x_0) - f_start(s, x_0) ||^2 / (H A)
+
+    where ``f(s, x_0)`` is a flow's deterministic chunk (``ReinFlowAgent.ode_chunk``, normalised units) and
+    ``f_start`` the frozen start policy (the stage-1/2 checkpoint the run began from, read again from
+    ``init_checkpoint`` so a resumed run pulls to the same place).  Both flows map the same ``x_0``: that coupling's
+    cost is an upper bound on ``W_2^2`` between the two policies' chunk distributions (the optimal coupling costs
+    no more), so the term keeps the whole distribution near the start, not only its mode.  It is 0 at the start
+    and grows as PPO moves the velocity net; the noise net is not reached by it.  Called by ``ppo.ppo_update``
+    per minibatch: ``(obs [b, To, O], generator) -> [b]`` squared distances; ``coeff`` weighs their mean."""
+
+    def __init__(self, agent: ReinFlowAgent, start: ReinFlowAgent, coeff: float):
+        self.agent, self.start, self.coeff = agent, start.eval().requires_grad_(False), float(coeff)
+
+    def __call__(self, obs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        a = self.agent
+        x0 = torch.randn(len(obs), a.pred_horizon, a.action_dim, generator=generator).to(obs.device)
+        self.start.to(obs.device)
+        with torch.no_grad():
+            target = self.start.ode_chunk(obs, x0)                           # [b, H, A]
+        return (a.ode_chunk(obs, x0) - target).pow(2).mean((1, 2))          # [b]
 
 
 @torch.no_grad()

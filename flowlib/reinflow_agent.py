@@ -327,6 +327,17 @@ class ReinFlowAgent(bc.ChunkPolicy):
         log_prob = torch.zeros(B, device=device) if deterministic else self.joint_log_prob(step_lp, stochastic, chain)
         return (chain, log_prob, stochastic, step_lp) if return_steps else (chain, log_prob)
 
+    def ode_chunk(self, obs_window: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+        """The deterministic chain's end ``x_K [B, H, A]`` (normalised) from ``x0 [B, H, A]``, with gradients to the
+        velocity net: the ODE ``x_{k+1} = x_k + v(x_k, t_k) / K`` on the sampling grid (``sample(...,
+        deterministic=True)`` without ``no_grad``).  What the W2 regulariser compares (``flowlib.reinflow``)."""
+        o = self._norm_obs(obs_window)
+        grid, d = self._grid(o.shape[0], o.device)
+        x = x0.to(o.device)
+        for k in range(self.K):
+            x = x + self.actor.base(x, grid[k].expand(len(x)), d, o) / self.K
+        return x
+
     def step_log_probs(self, obs_window: torch.Tensor, chain: torch.Tensor, stochastic: torch.Tensor | None = None):
         """Per-step log-probs of stored chains, ``[B, K]`` (0 at ODE steps), and the mean per-dim entropy
         of the stochastic steps' Gaussians, ``[B]`` (scale-free in ``K``, ``H``, ``A``).  Only the

@@ -8,10 +8,12 @@ A method is a ``(steer, learner)`` pair: *what* RL moves and *how* it learns it.
     latent           a Gaussian policy over the chain's start x_0                      (DSRL; flowlib.latent)
     residual         a bounded correction of a chunk's executed actions              (ResiP; flowlib.residual)
     residual_step    a bounded correction of every executed action, closed loop      (RPL; flowlib.residual_step)
+    gaussian         no flow: a Gaussian MLP cloned from the same demos, the baseline  (DPPO's; flowlib.gaussian)
 
 Each entry of ``METHODS`` names the config dataclasses the method reads (beyond ``flowlib.loop.RunConfig``),
 builds its agent from a stage-1/2 policy and its learner (``flowlib.learners``) from the agent, and may add checks
-of its own.  ``Stage3Config`` is the flat view papermill passes: every method's fields, of which a run may set
+of its own and a ``prepare`` step that fits a fresh agent to its start before RL (the Gaussian baseline's BC; not
+run when a checkpoint's weights are loaded).  ``Stage3Config`` is the flat view papermill passes: every method's fields, of which a run may set
 only those its method reads.  Adding a method: one module with its agent, config and builders, one entry here.
 """
 from __future__ import annotations
@@ -25,12 +27,14 @@ from typing import Callable, ClassVar
 from . import bc, config, loop
 from .awsc import load_from_aw_shortcut_flow
 from .config import check_fields, require
+from .gaussian import GaussianConfig, gaussian_agent, gaussian_bc
 from .latent import LatentConfig, latent_agent
 from .latent_sac import SACConfig, latent_sac_agent, sac_learner
 from .loop import ReplayConfig, RunConfig, read_agent_checkpoint
 from .ppo import PPOConfig
-from .reinflow import ChainConfig, ChunkScoreConfig, chain_agent, chunk_ppo
+from .reinflow import ChainConfig, ChunkScoreConfig, chain_agent, chain_ppo, chunk_ppo
 from .residual import ChunkResidualConfig, ResidualConfig, residual_agent
+from .rfc import RFCConfig, rfc_learner
 from .residual_step import step_ppo_agent, step_ppo_learner
 from .residual_td3 import TD3Config, td3_agent, td3_learner
 from .runs import policy_checkpoint
@@ -47,6 +51,7 @@ class Method:
     agent: Callable  # (policy, cfg) -> agent
     learner: Callable  # (agent, cfg) -> a flowlib.learners learner
     checks: Callable = lambda cfg: []  # cfg -> [(ok, message)]
+    prepare: Callable = lambda agent, cfg, start: None  # fit a fresh agent to the start checkpoint before RL
 
 
 def _no_branches(cfg) -> list[tuple[bool, str]]:
@@ -61,9 +66,24 @@ def _per_step_ppo(cfg) -> list[tuple[bool, str]]:
             *_no_branches(cfg)]
 
 
+def _gaussian_checks(cfg) -> list[tuple[bool, str]]:
+    return [(cfg.critic_input == "obs", f"steer 'gaussian' has no velocity net: critic_input must be 'obs', got "
+             f"{cfg.critic_input!r}"), *_no_branches(cfg)]
+
+
+def _rfc_checks(cfg) -> list[tuple[bool, str]]:
+    return [(cfg.advantage in PER_STEP_ADVANTAGES, f"learner 'rfc' masks by advantages over a rollout: advantage must "
+             f"be one of {' / '.join(PER_STEP_ADVANTAGES)}, got {cfg.advantage!r}"),
+            (cfg.rfc_mask != "success_only" or cfg.reward == "sparse",
+             f"rfc_mask 'success_only' reads success from the sparse reward (an episode that terminates with r > 0): "
+             f"set reward: sparse (got {cfg.reward!r}) or mask by advantage"),
+            (cfg.bc_coeff == 0, f"learner 'rfc' has no PPO loss for bc_coeff ({cfg.bc_coeff}) to weigh: its reflow is "
+             "already a pull to its own chunks; leave bc_coeff out"), *_no_branches(cfg)]
+
+
 METHODS: dict[tuple[str, str], Method] = {
     ("chain", "ppo"): Method("ReinFlow: PPO through the noisy denoising chain",
-                             (ChainConfig, ChunkScoreConfig, PPOConfig), chain_agent, chunk_ppo),
+                             (ChainConfig, ChunkScoreConfig, PPOConfig), chain_agent, chain_ppo),
     ("latent", "ppo"): Method("DSRL's idea by PPO: a Gaussian policy over x_0, the flow frozen",
                               (LatentConfig, ChunkScoreConfig, PPOConfig), latent_agent,
                               functools.partial(chunk_ppo, name="latent PPO"), _no_branches),
@@ -76,6 +96,12 @@ METHODS: dict[tuple[str, str], Method] = {
                                      (ResidualConfig, ReplayConfig, TD3Config), td3_agent, td3_learner),
     ("residual_step", "ppo"): Method("PPO on the same per-step correction, every env step a decision",
                                      (ResidualConfig, PPOConfig), step_ppo_agent, step_ppo_learner, _per_step_ppo),
+    ("chain", "rfc"): Method("RFC: reflow the flow on its own rollouts' chunks, masked by success or advantage",
+                             (ChainConfig, ChunkScoreConfig, PPOConfig, RFCConfig), chain_agent, rfc_learner,
+                             _rfc_checks),
+    ("gaussian", "ppo"): Method("the baseline without a flow: a Gaussian MLP over the chunk, cloned, then PPO",
+                                (GaussianConfig, ChunkScoreConfig, PPOConfig), gaussian_agent,
+                                functools.partial(chunk_ppo, name="Gaussian PPO"), _gaussian_checks, gaussian_bc),
 }
 METHOD_CONFIGS = tuple(dict.fromkeys(c for m in METHODS.values() for c in m.configs))  # every method's, once
 
@@ -84,13 +110,13 @@ METHOD_CONFIGS = tuple(dict.fromkeys(c for m in METHODS.values() for c in m.conf
 class MethodChoice:
     """Which registered method runs (``flowlib.stage3.METHODS``)."""
 
-    steer: str = "chain"  # what RL moves: "chain", "latent", "residual" or "residual_step"
-    learner: str = "ppo"  # how: "ppo"; "sac" (steer latent); "td3" (steer residual_step)
+    steer: str = "chain"  # what RL moves: "chain", "latent", "residual", "residual_step" or "gaussian" (no flow)
+    learner: str = "ppo"  # how: "ppo"; "sac" (steer latent); "td3" (steer residual_step); "rfc" (steer chain)
 
 
 @dataclass
-class Stage3Config(TD3Config, SACConfig, ReplayConfig, PPOConfig, ChunkResidualConfig, ResidualConfig, LatentConfig,
-                   ChunkScoreConfig, ChainConfig, MethodChoice, RunConfig):
+class Stage3Config(RFCConfig, GaussianConfig, TD3Config, SACConfig, ReplayConfig, PPOConfig, ChunkResidualConfig,
+                   ResidualConfig, LatentConfig, ChunkScoreConfig, ChainConfig, MethodChoice, RunConfig):
     """The parameters of a stage-3 notebook, flat as papermill passes them: ``RunConfig``'s, the method choice,
     and every method's own (``METHODS``).  A field the chosen method does not read must stay at its default.
     Defaults are the short CPU run of chain ReinFlow."""
@@ -173,6 +199,7 @@ def build_agent(cfg: Stage3Config, path: Path, spec=None) -> tuple:
     and ``warm_start_value``, ``V`` starts from the critic's.  Returns the agent and how V started."""
     policy, critic = load_from_aw_shortcut_flow(path, spec)
     agent = make_agent(policy, cfg)
+    method(cfg).prepare(agent, cfg, path)
     how = "fresh"
     # steer "residual_step" learns Q(o, a_b, r) (TD3) or V(o, a_b) (PPO), not the window's V of a stage-2 critic
     if (cfg.warm_start_value and cfg.critic_input == "obs" and cfg.steer != "residual_step" and critic is not None

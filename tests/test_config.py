@@ -122,7 +122,7 @@ SAC = {"steer": "latent", "learner": "sac"}
 
 @pytest.mark.parametrize("values, message", [
     ({**TD3, "ent_coef": 0.05}, "steer 'residual_step' with learner 'td3' does not read ent_coef (PPOConfig, read by "
-                                "steer/learner chain/ppo, latent/ppo, residual/ppo, residual_step/ppo)"),
+                                "steer/learner chain/ppo, latent/ppo, residual/ppo, residual_step/ppo, chain/rfc, gaussian/ppo)"),
     ({**SAC, "clip_coef": 0.3, "target_kl": 0.1}, "does not read clip_coef, target_kl (PPOConfig"),
     ({"td3_n_step": 3}, "steer 'chain' with learner 'ppo' does not read td3_n_step (TD3Config, read by steer/learner "
                         "residual_step/td3)"),
@@ -135,7 +135,7 @@ SAC = {"steer": "latent", "learner": "sac"}
     ({**TD3, "latent_hidden_dims": [64]}, "does not read latent_hidden_dims (LatentConfig"),
     ({"residual_hidden_dims": [64]}, "does not read residual_hidden_dims (ResidualConfig, read by steer/learner "
                                      "residual/ppo, residual_step/td3, residual_step/ppo)"),
-    ({**SAC, "noise_corr": 0.5}, "does not read noise_corr (ChainConfig, read by steer/learner chain/ppo)"),
+    ({**SAC, "noise_corr": 0.5}, "does not read noise_corr (ChainConfig, read by steer/learner chain/ppo, chain/rfc)"),
     ({**TD3, "log_prob_reduce": "mean"}, "does not read log_prob_reduce (ChunkScoreConfig"),
 ])
 def test_a_field_that_the_method_would_ignore_is_rejected(values, message):

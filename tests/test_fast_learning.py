@@ -5,6 +5,8 @@ The whole pipeline at small size: scripted demos, ShortCut BC with an MLP veloci
 ``flowlib.stage3`` (``params/03_reinflow/fast_reach.yaml``'s batch of 2,560 decisions, ``fast_reach_mlp.yaml``'s learning rate), each policy scored on the
 same held-out episodes."""
 import numpy as np
+import pytest
+import torch
 
 from flowlib import bc, stage3
 from flowlib.data import ChunkDataset, generate_demos, load_demos
@@ -41,27 +43,104 @@ def test_chain_ppo_lifts_a_cloned_policy_and_the_flipped_control_lowers_it(tmp_p
         assert sign * diff.mean() > 4 * se, (flip, start["success_once"], after[flip]["success_once"], se)
 
 
-def test_reward_scaling_logs_its_scale_and_a_resumed_run_goes_on_from_the_saved_statistics(tmp_path, monkeypatch):
-    """``reward_scaling``: each iteration's row has ``reward_scale``, ``last.pt`` holds the running statistics, and a
-    run resumed from it continues them (its count grows from the saved one, not from the prior)."""
-    import torch
-
-    from flowlib.runs import read_metrics
-    from flowlib.tracking import Tracker
+def tiny_start(tmp_path, monkeypatch) -> None:
+    """A tiny FastReach clone at ``01_shortcut_bc/tiny/best_model.pt`` under ``tmp_path`` (the outputs folder)."""
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path))
     dataset = ChunkDataset(load_demos(generate_demos("FastReach-v0", 20)), 2, 16)
     bc_cfg = bc.ShortCutBCConfig(env_id="FastReach-v0", velocity_net="mlp", mlp_dims=[32, 32], emb_dim=8,
                                  train_steps=20, batch_size=32, warmup_steps=2, ckpt_every=20, eval_every=0,
                                  num_eval_episodes=2, num_envs=2, max_episode_steps=40)
     bc.train(bc_cfg, dataset, tmp_path / "01_shortcut_bc" / "tiny")
+
+
+def tiny_chain_config(iterations: int, **kw) -> stage3.Stage3Config:
+    return stage3.Stage3Config(
+        init_checkpoint="01_shortcut_bc/tiny/best_model.pt", env_id="FastReach-v0", num_envs=16,
+        max_episode_steps=40, num_inference_steps=2, rollout_steps=5, total_env_steps=iterations * 16 * 5 * 8,
+        update_epochs=1, minibatch_size=40, critic_warmup_steps=0, value_hidden_dims=[16], eval_every=0,
+        num_eval_episodes=2, **kw)
+
+
+def test_bc_coeff_pulls_to_the_start_checkpoint_and_logs_the_w2_distance(tmp_path, monkeypatch):
+    """``bc_coeff``: the learner reads the start again from ``init_checkpoint`` (the pull is to the stage-1 policy,
+    also after a resume), its distance is 0 there, and every trained iteration logs ``bc_loss``."""
+    from flowlib.runs import read_metrics
+    from flowlib.tracking import Tracker
+    tiny_start(tmp_path, monkeypatch)
+    cfg = tiny_chain_config(3, bc_coeff=1.0, actor_lr=1e-2)
+    run = tmp_path / "03_reinflow" / "bc"
+    with make_env("FastReach-v0", 16, max_episode_steps=40) as env:
+        agent, _ = stage3.build_agent(cfg, stage3.init_checkpoint_path(cfg), env.spec)
+        learner = stage3.make_learner(agent, cfg)
+        window = torch.randn(8, agent.obs_horizon, agent.obs_dim)
+        assert torch.equal(learner.regulariser(window), torch.zeros(8))
+        stage3.train(cfg, agent, env, run, Tracker(run, resume=False))
+        moved = stage3.make_learner(agent, cfg).regulariser(window, torch.Generator().manual_seed(0))
+    rows = [r for r in read_metrics(run) if "bc_loss" in r]
+    assert len(rows) == 3 and all(r["bc_loss"] >= 0 for r in rows) and rows[-1]["bc_loss"] > 0
+    assert moved.mean() > 0  # the trained agent has left the start the learner reads from the checkpoint
+    with pytest.raises(ValueError, match="does not read bc_coeff"):
+        stage3.Stage3Config(steer="latent", bc_coeff=1.0)
+
+
+def test_the_gaussian_baseline_clones_the_start_checkpoints_demos_then_trains_by_ppo(tmp_path, monkeypatch):
+    """Steer ``gaussian``: ``build_agent`` clones the mean on the demos the start checkpoint names (its error on them
+    falls well below the untrained net's), and a two-iteration PPO run on the real env writes its rows."""
+    from flowlib.runs import read_metrics
+    from flowlib.tracking import Tracker
+    tiny_start(tmp_path, monkeypatch)
+    dataset = ChunkDataset(load_demos(generate_demos("FastReach-v0", 20)), 2, 16)
+    errors = {}
+    for steps in (0, 300):
+        cfg = tiny_chain_config(2, steer="gaussian", gaussian_bc_steps=steps, gaussian_hidden_dims=[64, 64],
+                                gaussian_bc_batch=128)
+        agent, _ = stage3.build_agent(cfg, stage3.init_checkpoint_path(cfg))
+        obs, actions = dataset.tensors(agent.obs_normalizer, agent.action_normalizer)
+        with torch.no_grad():
+            errors[steps] = (agent.mean(obs.clamp(-5, 5)) - actions).pow(2).mean().item()
+    assert errors[300] < 0.5 * errors[0], errors
+    run = tmp_path / "03_reinflow" / "gaussian"
+    with make_env("FastReach-v0", 16, max_episode_steps=40) as env:
+        stage3.train(cfg, agent, env, run, Tracker(run, resume=False))
+    rows = [r for r in read_metrics(run) if "policy_loss" in r]
+    assert len(rows) == 2 and all(np.isfinite(r["policy_loss"]) for r in rows)
+    assert type(stage3.load_agent(run / "last.pt")).__name__ == "GaussianChunkAgent"
+
+
+@pytest.mark.parametrize("mask", ["success_only", "advantage_topk"])
+def test_rfc_reflows_the_velocity_net_on_the_kept_decisions_of_a_real_rollout(tmp_path, monkeypatch, mask):
+    """Learner ``rfc``: two iterations on FastReach log the kept share and the reflow loss; the velocity net moves,
+    the noise net (no loss of its own here) does not."""
+    from flowlib.runs import read_metrics
+    from flowlib.tracking import Tracker
+    tiny_start(tmp_path, monkeypatch)
+    cfg = tiny_chain_config(2, learner="rfc", rfc_mask=mask, rfc_topk=0.3, reward="sparse", actor_lr=1e-3)
+    run = tmp_path / "03_reinflow" / f"rfc_{mask}"
+    with make_env("FastReach-v0", 16, max_episode_steps=40) as env:
+        agent, _ = stage3.build_agent(cfg, stage3.init_checkpoint_path(cfg), env.spec)
+        velocity = [p.detach().clone() for p in agent.actor.base.parameters()]
+        noise = [p.detach().clone() for p in agent.actor.noise_net.parameters()]
+        stage3.train(cfg, agent, env, run, Tracker(run, resume=False))
+    rows = [r for r in read_metrics(run) if "reflow_mask_ratio" in r]
+    assert len(rows) == 2 and all(0 <= r["reflow_mask_ratio"] <= 1 for r in rows)
+    if mask == "advantage_topk":  # 0.3 of the live decisions, more only by ties
+        assert all(0.3 <= r["reflow_mask_ratio"] < 0.4 for r in rows)
+    if any(r["reflow_mask_ratio"] > 0 for r in rows):
+        assert any("reflow_loss" in r for r in rows)
+        assert any(not torch.equal(a, b) for a, b in zip(velocity, agent.actor.base.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(noise, agent.actor.noise_net.parameters()))
+
+
+def test_reward_scaling_logs_its_scale_and_a_resumed_run_goes_on_from_the_saved_statistics(tmp_path, monkeypatch):
+    """``reward_scaling``: each iteration's row has ``reward_scale``, ``last.pt`` holds the running statistics, and a
+    run resumed from it continues them (its count grows from the saved one, not from the prior)."""
+    from flowlib.runs import read_metrics
+    from flowlib.tracking import Tracker
+    tiny_start(tmp_path, monkeypatch)
     run = tmp_path / "03_reinflow" / "scaled"
     counts = []
     for iterations in (2, 3):
-        cfg = stage3.Stage3Config(
-            init_checkpoint="01_shortcut_bc/tiny/best_model.pt", env_id="FastReach-v0", num_envs=16,
-            max_episode_steps=40, num_inference_steps=2, rollout_steps=5, total_env_steps=iterations * 16 * 5 * 8,
-            update_epochs=1, minibatch_size=40, critic_warmup_steps=0, value_hidden_dims=[16], eval_every=0,
-            num_eval_episodes=2, reward_scaling=True, reward="dense")
+        cfg = tiny_chain_config(iterations, reward_scaling=True, reward="dense")
         with make_env("FastReach-v0", 16, max_episode_steps=40) as env:
             agent, _ = stage3.build_agent(cfg, stage3.init_checkpoint_path(cfg), env.spec)
             stage3.train(cfg, agent, env, run, Tracker(run, resume=True))
