@@ -28,7 +28,7 @@ import torch.nn as nn
 from . import progress
 from .guards import require_finite
 from .config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields
-from .data import ChunkDataset, Episode, Normalizer
+from .data import ChunkDataset, Episode, Normalizer, generate_demos, load_demos
 from .envs import control_mode as task_control_mode
 from .flows import ShortCut
 from .runs import load_torch, rng_state, save_torch, set_rng_state
@@ -248,6 +248,19 @@ def load_policy(path: str | Path, spec=None) -> FlowPolicy:
     policy.obs_normalizer.load_state_dict(ckpt["obs_normalizer"])
     policy.action_normalizer.load_state_dict(ckpt["action_normalizer"])
     return policy.eval()
+
+
+def training_demos(path: str | Path) -> list[Episode]:
+    """The demonstrations the stage-1 checkpoint at ``path`` was trained on, by its config's ``env_id``,
+    ``num_demos`` and ``demo_file`` (generated once and cached, as notebook 01 does): what a method that learns from
+    the same data as the flow reads (the Gaussian baseline's cloning, FQL's offline replay)."""
+    config = read_checkpoint(path)["config"]
+    if "env_id" not in config or "num_demos" not in config:
+        raise ValueError(f"{path} does not name the demos it was trained on (env_id, num_demos in its config): "
+                         "start from a stage-1 checkpoint of notebook 01")
+    from_file = config.get("demo_file") or ""
+    demo_path = from_file or generate_demos(config["env_id"], config["num_demos"])
+    return load_demos(demo_path, max_episodes=None if from_file else config["num_demos"])
 
 
 LR_SCHEDULES = ("cosine", "constant")

@@ -5,6 +5,7 @@ import time
 
 import torch
 
+from . import fql
 from .envs import make_env
 from .reinflow import collect
 from .residual_step import StepCollector, StepResidualAgent
@@ -24,7 +25,7 @@ def peak_memory_mb() -> float:
 def overhead(agent, env, decisions: int = 8, seed: int = 0) -> dict[str, float]:
     """Time per env step of the raw simulator (random actions) vs of the policy's share in the loop (a chunk-level
     agent's ``reinflow.collect``: noisy chain sampling, values, bookkeeping; a per-step residual's
-    ``StepCollector``: the base chunks and a correction per env step), from ``decisions`` chunk decisions of each."""
+    ``StepCollector``: the base chunks and a correction per env step; FQL's ``collect``), from ``decisions`` chunk decisions of each."""
     N, Ta = env.num_envs, agent.act_horizon
     steps = decisions * Ta * N
     env.reset(seed=seed)
@@ -42,6 +43,9 @@ def overhead(agent, env, decisions: int = 8, seed: int = 0) -> dict[str, float]:
     if isinstance(agent, StepResidualAgent):
         policy_time = StepCollector(agent, runner, torch.Generator().manual_seed(seed)).collect(
             replay_buffer(agent, steps), decisions * Ta)
+    elif isinstance(agent, fql.FQLAgent):  # the one-step policy's collect
+        policy_time = fql.collect(agent, runner, fql.replay_buffer(agent, decisions * N), decisions,
+                                  torch.Generator().manual_seed(seed))
     else:
         policy_time = collect(agent, runner, decisions, torch.Generator().manual_seed(seed)).policy_time
     total = time.time() - t0

@@ -28,7 +28,8 @@ import torch.nn as nn
 
 from . import bc, progress
 from .config import NonNegativeInt, PositiveInt
-from .data import ChunkDataset, generate_demos, load_demos
+from .data import ChunkDataset
+from .envs import is_fast
 from .flow_sde import gaussian_entropy, gaussian_log_prob
 from .nets import mlp
 from .reinflow_agent import LOG_PROB_REDUCE
@@ -178,14 +179,10 @@ def gaussian_bc(agent: GaussianChunkAgent, cfg, start: Path) -> None:
 
 @functools.lru_cache(maxsize=4)
 def _cloned_state(start: str, mtime: float, steps: int, batch: int, hidden: tuple, seed: int, obs_clip: float) -> dict:
-    config = bc.read_checkpoint(start)["config"]
-    if "env_id" not in config or "num_demos" not in config:
-        raise ValueError(f"{start} does not name the demos it was trained on (env_id, num_demos in its config): start "
-                         "the Gaussian baseline from a stage-1 checkpoint")
+    episodes = bc.training_demos(start)
     policy = bc.load_policy(start)
-    path = config.get("demo_file") or generate_demos(config["env_id"], config["num_demos"])
-    episodes = load_demos(path, max_episodes=None if config.get("demo_file") else config["num_demos"])
-    dataset = ChunkDataset(episodes, policy.obs_horizon, policy.pred_horizon)
+    dataset = ChunkDataset(episodes, policy.obs_horizon, policy.pred_horizon,
+                           gripper=not is_fast(policy.meta["env_id"]))
     obs, actions = dataset.tensors(policy.obs_normalizer, policy.action_normalizer)  # [N, To, O], [N, H, A]
     obs = (obs.clamp(-obs_clip, obs_clip) if obs_clip else obs).flatten(1)
     torch.manual_seed(seed)

@@ -8,6 +8,7 @@ A method is a ``(steer, learner)`` pair: *what* RL moves and *how* it learns it.
     latent           a Gaussian policy over the chain's start x_0                      (DSRL; flowlib.latent)
     residual         a bounded correction of a chunk's executed actions              (ResiP; flowlib.residual)
     residual_step    a bounded correction of every executed action, closed loop      (RPL; flowlib.residual_step)
+    one_step         a one-step policy distilled from the frozen flow, against Q       (FQL; flowlib.fql)
     gaussian         no flow: a Gaussian MLP cloned from the same demos, the baseline  (DPPO's; flowlib.gaussian)
 
 Each entry of ``METHODS`` names the config dataclasses the method reads (beyond ``flowlib.loop.RunConfig``),
@@ -27,6 +28,7 @@ from typing import Callable, ClassVar
 from . import bc, config, loop
 from .awsc import load_from_aw_shortcut_flow
 from .config import check_fields, require
+from .fql import FQLConfig, fql_agent, fql_learner, fql_offline
 from .gaussian import GaussianConfig, gaussian_agent, gaussian_bc
 from .latent import LatentConfig, latent_agent
 from .latent_sac import SACConfig, latent_sac_agent, sac_learner
@@ -81,6 +83,11 @@ def _rfc_checks(cfg) -> list[tuple[bool, str]]:
              "already a pull to its own chunks; leave bc_coeff out"), *_no_branches(cfg)]
 
 
+def _fql_checks(cfg) -> list[tuple[bool, str]]:
+    return [(cfg.reward == "sparse", f"learner 'fql' learns offline from the demos' sparse reward (1 at success, which "
+             f"ends the episode): set reward: sparse (got {cfg.reward!r})")]
+
+
 METHODS: dict[tuple[str, str], Method] = {
     ("chain", "ppo"): Method("ReinFlow: PPO through the noisy denoising chain",
                              (ChainConfig, ChunkScoreConfig, PPOConfig), chain_agent, chain_ppo),
@@ -99,6 +106,9 @@ METHODS: dict[tuple[str, str], Method] = {
     ("chain", "rfc"): Method("RFC: reflow the flow on its own rollouts' chunks, masked by success or advantage",
                              (ChainConfig, ChunkScoreConfig, PPOConfig, RFCConfig), chain_agent, rfc_learner,
                              _rfc_checks),
+    ("one_step", "fql"): Method("FQL: a one-step policy distilled from the flow against Q, offline on the demos, "
+                                "then online", (FQLConfig, ReplayConfig), fql_agent, fql_learner, _fql_checks,
+                                fql_offline),
     ("gaussian", "ppo"): Method("the baseline without a flow: a Gaussian MLP over the chunk, cloned, then PPO",
                                 (GaussianConfig, ChunkScoreConfig, PPOConfig), gaussian_agent,
                                 functools.partial(chunk_ppo, name="Gaussian PPO"), _gaussian_checks, gaussian_bc),
@@ -110,13 +120,14 @@ METHOD_CONFIGS = tuple(dict.fromkeys(c for m in METHODS.values() for c in m.conf
 class MethodChoice:
     """Which registered method runs (``flowlib.stage3.METHODS``)."""
 
-    steer: str = "chain"  # what RL moves: "chain", "latent", "residual", "residual_step" or "gaussian" (no flow)
-    learner: str = "ppo"  # how: "ppo"; "sac" (steer latent); "td3" (steer residual_step); "rfc" (steer chain)
+    steer: str = "chain"  # what RL moves: "chain", "latent", "residual", "residual_step", "one_step" (FQL), "gaussian"
+    learner: str = "ppo"  # how: "ppo"; "sac" (latent); "td3" (residual_step); "rfc" (chain); "fql" (one_step)
 
 
 @dataclass
-class Stage3Config(RFCConfig, GaussianConfig, TD3Config, SACConfig, ReplayConfig, PPOConfig, ChunkResidualConfig,
-                   ResidualConfig, LatentConfig, ChunkScoreConfig, ChainConfig, MethodChoice, RunConfig):
+class Stage3Config(FQLConfig, RFCConfig, GaussianConfig, TD3Config, SACConfig, ReplayConfig, PPOConfig,
+                   ChunkResidualConfig, ResidualConfig, LatentConfig, ChunkScoreConfig, ChainConfig, MethodChoice,
+                   RunConfig):
     """The parameters of a stage-3 notebook, flat as papermill passes them: ``RunConfig``'s, the method choice,
     and every method's own (``METHODS``).  A field the chosen method does not read must stay at its default.
     Defaults are the short CPU run of chain ReinFlow."""
@@ -203,7 +214,7 @@ def build_agent(cfg: Stage3Config, path: Path, spec=None) -> tuple:
     how = "fresh"
     # steer "residual_step" learns Q(o, a_b, r) (TD3) or V(o, a_b) (PPO), not the window's V of a stage-2 critic
     if (cfg.warm_start_value and cfg.critic_input == "obs" and cfg.steer != "residual_step" and critic is not None
-            and hasattr(critic, "value_net")):
+            and hasattr(critic, "value_net") and hasattr(agent, "value_net")):
         try:
             agent.value_net.load_state_dict(critic.value_net.state_dict())
             how = f"stage-2 {critic.kind} V"

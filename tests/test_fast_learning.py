@@ -131,6 +131,34 @@ def test_rfc_reflows_the_velocity_net_on_the_kept_decisions_of_a_real_rollout(tm
     assert all(torch.equal(a, b) for a, b in zip(noise, agent.actor.noise_net.parameters()))
 
 
+def test_fql_trains_offline_on_the_start_checkpoints_demos_then_online_from_a_replay_seeded_with_them(tmp_path,
+                                                                                                       monkeypatch):
+    """Steer ``one_step`` / learner ``fql``: ``build_agent`` runs the offline phase once (marked in the weights), the
+    online replay starts with the demo decisions, and two online iterations write their rows and a checkpoint."""
+    from flowlib.runs import read_metrics
+    from flowlib.tracking import Tracker
+    tiny_start(tmp_path, monkeypatch)
+    cfg = stage3.Stage3Config(
+        init_checkpoint="01_shortcut_bc/tiny/best_model.pt", env_id="FastReach-v0", num_envs=16,
+        max_episode_steps=40, num_inference_steps=2, rollout_steps=5, total_env_steps=2 * 16 * 5 * 8,
+        critic_warmup_steps=0, value_hidden_dims=[16], eval_every=0, num_eval_episodes=2, steer="one_step",
+        learner="fql", reward="sparse", fql_offline_steps=30, fql_hidden_dims=[32], replay_batch_size=32,
+        replay_size=10_000, replay_updates_per_decision=0.1)
+    agent, _ = stage3.build_agent(cfg, stage3.init_checkpoint_path(cfg))
+    assert bool(agent.offline_done)
+    learner = stage3.make_learner(agent, cfg)
+    demos = len(learner.buffer)
+    assert demos > 20  # 20 demos of a few chunks each
+    run = tmp_path / "03_reinflow" / "fql"
+    with make_env("FastReach-v0", 16, max_episode_steps=40) as env:
+        stage3.train(cfg, agent, env, run, Tracker(run, resume=False))
+    rows = [r for r in read_metrics(run) if "policy_loss" in r]
+    assert len(rows) == 2 and all(np.isfinite(r["value_loss"]) and "distill" in r for r in rows)
+    saved = torch.load(run / "last.pt", weights_only=False)
+    assert saved["replay"]["size"] == demos + 2 * 16 * 5
+    assert bool(stage3.load_agent(run / "last.pt").offline_done)
+
+
 def test_reward_scaling_logs_its_scale_and_a_resumed_run_goes_on_from_the_saved_statistics(tmp_path, monkeypatch):
     """``reward_scaling``: each iteration's row has ``reward_scale``, ``last.pt`` holds the running statistics, and a
     run resumed from it continues them (its count grows from the saved one, not from the prior)."""

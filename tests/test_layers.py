@@ -18,7 +18,7 @@ LAYERS = {
     "policy": {"bc", "critic", "awsc"},
     "rl core": {"ppo", "buffers", "loop", "learners"},
     "methods": {"reinflow_agent", "reinflow", "latent", "latent_sac", "residual", "residual_step", "residual_td3",
-                "gaussian", "rfc"},
+                "gaussian", "rfc", "fql"},
     "registry": {"stage3"},
     "tools": {"bench", "export", "evaluate", "pirl", "seeds", "sweep", "run", "__init__"},
 }
