@@ -128,7 +128,7 @@ SAC = {"steer": "latent", "learner": "sac"}
                         "residual_step/td3)"),
     ({**TD3, "sac_target_kl": 0.2}, "does not read sac_target_kl (SACConfig, read by steer/learner latent/sac)"),
     ({"replay_size": 1000}, "does not read replay_size (ReplayConfig, read by steer/learner latent/sac, "
-                            "residual_step/td3)"),
+                            "residual_step/td3, one_step/fql)"),
     ({"latent_bound": 2.0}, "does not read latent_bound (LatentConfig, read by steer/learner latent/ppo, latent/sac)"),
     ({**TD3, "residual_per": "chunk"}, "does not read residual_per (ChunkResidualConfig, read by steer/learner "
                                        "residual/ppo)"),
