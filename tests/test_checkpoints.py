@@ -1,7 +1,7 @@
 """Every kind of checkpoint written so far keeps loading, and computes what it computed when it was written.
 
 ``tests/fixtures/checkpoints/`` holds small checkpoints of each kind, written by the code as of commit 2fea3be
-(before stage 3 was split into an RL core and methods), and ``expected.pt`` what each computed then on fixed
+(before stage 3 was split into an RL core and methods; the methods added since by ``add_method_fixtures.py``), and ``expected.pt`` what each computed then on fixed
 windows: deterministic actions, sampled chains and their log-probs, values and Q values.  A refactor that changes
 a state-dict key, a config field's meaning or a sampler's arithmetic fails here."""
 from pathlib import Path
@@ -13,7 +13,8 @@ from flowlib import bc, stage3
 from flowlib.awsc import load_from_aw_shortcut_flow
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints"
-STAGE3_KINDS = ("chain_ppo", "latent_ppo", "latent_sac", "residual_ppo", "residual_step_td3", "residual_step_ppo")
+STAGE3_KINDS = ("chain_ppo", "latent_ppo", "latent_sac", "residual_ppo", "residual_step_td3", "residual_step_ppo",
+                "gaussian_ppo", "chain_rfc", "one_step_fql")  # the last three by fixtures/add_method_fixtures.py
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,12 @@ def test_stage3_checkpoint_loads_and_computes_what_it_did(kind, expected):
     windows, rec = expected["windows"], expected[kind]
     assert close(agent.act(windows, generator=torch.Generator().manual_seed(7)), rec["act"])
     with torch.no_grad():
-        if "correct_step" in rec:
+        if "chunk" in rec:  # FQL's one-step policy and its critics
+            o = agent.norm_obs(windows)
+            z = torch.randn(len(o), agent.pred_horizon, agent.action_dim, generator=torch.Generator().manual_seed(9))
+            assert close(agent.chunk(o, z), rec["chunk"])
+            assert close(agent.q(o.flatten(1), agent.executed(rec["chunk"])), rec["q"])
+        elif "correct_step" in rec:
             assert close(agent.correct_step(windows, rec["act"][:, 0]), rec["correct_step"])
             s = agent.state(windows, agent.action_normalizer.normalize(rec["act"][:, 0]))
             if "q" in rec:
