@@ -82,6 +82,17 @@
 # PPO's converged 1M checkpoint its gradient needs 25.8k: a 256-decision step is mostly noise for both. TD3 also
 # takes 8x as many steps per env step from its replay (docs/stage3.md, "The same residual, learned by PPO").
 #
+# **The comparison's other rows** (`flowlib.rfc`, `flowlib.fql`, `flowlib.gaussian`). Three more registry entries ask
+# what the flow and its fine-tuning buy. RFC (`steer = "chain"`, `learner = "rfc"`) rolls out the noisy chain as
+# ReinFlow does, keeps the decisions a mask picks (`rfc_mask`: the episode succeeded, $A > 0$, or the top share by
+# $A$), and trains the flow on their chunks with stage 1's ShortCut loss: no ratio, no likelihood. FQL (`steer =
+# "one_step"`, `learner = "fql"`) distils the frozen flow into a one-step policy $\mu_\omega(s, z)$ pushed up a
+# critic, $-Q(s, \mu_\omega(s, z))/|Q| + \alpha\,|\mu_\omega(s, z) - \mu_\theta(s, z)|^2$, offline on the demos
+# (before the run: the "before" row), then online from a replay seeded with them. The Gaussian baseline (`steer =
+# "gaussian"`) has no flow at all: an MLP mean cloned from the same demos, fine-tuned by the same PPO. Their runs on
+# the fast contact task are `params/06_steering/fast_push_*.yaml`
+# ([the record](../docs/fast_tasks.md#what-the-flow-buys-on-fastpush-the-seeds-other-methods-2026-12-03)).
+#
 # The defaults below are a short CPU run of the per-step residual by TD3 from notebook 01's default checkpoint: it
 # shows the machinery in a minute, not a better policy. `params/06_steering/*.yaml` hold the runs of the record.
 
@@ -105,8 +116,8 @@ backend: str = "auto"  # "auto", "physx_cpu" or "physx_cuda"
 reward: str = "dense"  # "sparse": 1 on success (terminal); "dense": normalized_dense; "shaped": sparse + potential
 reward_scale: float = 1.0  # learning sees reward_scale * r (value targets of O(1)); logged returns are raw
 num_inference_steps: int = 4  # K, the denoising steps of the flow (noisy chain or frozen ODE)
-steer: str = "residual_step"  # what RL moves: "chain", "latent", "residual" or "residual_step"
-learner: str = "td3"  # how: "ppo"; "sac" (steer latent); "td3" (steer residual_step)
+steer: str = "residual_step"  # what RL moves: "chain", "latent", "residual", "residual_step", "one_step", "gaussian"
+learner: str = "td3"  # how: "ppo"; "sac" (latent); "td3" (residual_step); "rfc" (chain); "fql" (one_step)
 residual_bound: float = 0.2  # the bound on |mu| per dim (normalised action units)
 residual_gripper: bool = False  # False leaves the last action dim (the gripper) to the base
 residual_hidden_dims: list[int] = [64, 64]  # mu's MLP
