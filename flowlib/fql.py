@@ -76,7 +76,8 @@ class FQLAgent(bc.ChunkPolicy):
 
     def norm_obs(self, obs_window: torch.Tensor) -> torch.Tensor:  # raw [B, To, O] -> normalised, clipped
         if obs_window.shape[1:] != (self.obs_horizon, self.obs_dim):
-            raise ValueError(f"obs window must be [B, {self.obs_horizon}, {self.obs_dim}], got {tuple(obs_window.shape)}")
+            raise ValueError(f"obs window must be [B, {self.obs_horizon}, {self.obs_dim}], "
+                             f"got {tuple(obs_window.shape)}")
         o = self.obs_normalizer.normalize(obs_window.to(self.offline_done.device))
         return o.clamp(-self.obs_clip, self.obs_clip) if self.obs_clip else o
 
@@ -177,7 +178,8 @@ def demo_decisions(agent: FQLAgent, episodes, gamma: float, reward_scale: float 
             rows["reward"].append(reward_scale * gamma ** (tau - 1) * float(terminal))
             rows["bootstrap"].append(0.0 if terminal else gamma ** tau)
             rows["next_obs"].append(torch.as_tensor(dataset.window(e, t + tau - (To - 1))[0]))
-    out = {k: torch.stack(v).float() if k in ("obs", "latent", "next_obs") else torch.tensor(v) for k, v in rows.items()}
+    out = {k: torch.stack(v).float() if k in ("obs", "latent", "next_obs") else torch.tensor(v)
+           for k, v in rows.items()}
     with torch.no_grad():
         out["latent"] = agent.action_normalizer.normalize(out["latent"].to(agent.action_normalizer.shift.device)).cpu()
     return out

@@ -1,4 +1,4 @@
-"""The plain baseline: a Gaussian MLP policy over the action chunk, cloned from the same demos, fine-tuned by the same PPO.
+"""The plain baseline: a Gaussian MLP policy over the action chunk, cloned from the same demos, fine-tuned by PPO.
 
 What does the flow buy?  DPPO (Ren et al. 2024, Sec. 5) and the RLinf notes answer it by running PPO on a Gaussian
 policy beside the diffusion / flow one, from the same demonstrations and with the same budget.  Here
@@ -74,7 +74,8 @@ class GaussianChunkAgent(bc.ChunkPolicy):
     # ------------------------------------------------------------------ the Gaussian
     def _norm_obs(self, obs_window: torch.Tensor) -> torch.Tensor:  # raw [B, To, O] -> normalised, clipped
         if obs_window.shape[1:] != (self.obs_horizon, self.obs_dim):
-            raise ValueError(f"obs window must be [B, {self.obs_horizon}, {self.obs_dim}], got {tuple(obs_window.shape)}")
+            raise ValueError(f"obs window must be [B, {self.obs_horizon}, {self.obs_dim}], "
+                             f"got {tuple(obs_window.shape)}")
         o = self.obs_normalizer.normalize(obs_window.to(self.std_range.device))
         return o.clamp(-self.obs_clip, self.obs_clip) if self.obs_clip else o
 

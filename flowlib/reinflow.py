@@ -48,7 +48,7 @@ class ChainConfig:
     freeze_obs_encoder: bool = False  # keep the velocity net's obs_encoder (stage 1's obs_emb_dim > 0) fixed
     clip_chain_means: bool = False  # clamp each noisy step's mean into the action range (ReinFlow's denoised clip)
     noise_clip: NonNegativeFloat = 0.0  # clip each step's standard normal draw at +-noise_clip sigma (0: off; ReinFlow: 3)
-    bc_coeff: NonNegativeFloat = 0.0  # weight of the W2 pull to the start policy in PPO's loss (ReinFlow's bc_loss; 0: off)
+    bc_coeff: NonNegativeFloat = 0.0  # weight of the W2 pull to the start policy in PPO's loss (ReinFlow's; 0: off)
 
     def chain_checks(self) -> list[tuple[bool, str]]:
         return [(self.noise_method in METHODS, f"noise_method must be one of {METHODS}, got {self.noise_method!r}"),

@@ -39,7 +39,7 @@ RFC_MASKS = ("success_only", "advantage_positive", "advantage_topk")
 class RFCConfig:
     """RFC's options (steer ``"chain"``, learner ``"rfc"``); the critic and the advantages are PPOConfig's."""
 
-    rfc_mask: str = "advantage_positive"  # which decisions to reflow on: success_only / advantage_positive / advantage_topk
+    rfc_mask: str = "advantage_positive"  # the decisions reflowed: success_only / advantage_positive / advantage_topk
     rfc_topk: Fraction = 0.25  # advantage_topk: the share of live decisions kept
     rfc_epochs: PositiveInt = 1  # passes of the flow-matching loss over the kept decisions per iteration
 
