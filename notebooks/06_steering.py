@@ -91,7 +91,7 @@
 # (before the run: the "before" row), then online from a replay seeded with them. The Gaussian baseline (`steer =
 # "gaussian"`) has no flow at all: an MLP mean cloned from the same demos, fine-tuned by the same PPO. Their runs on
 # the fast contact task are `params/06_steering/fast_push_*.yaml`
-# ([the record](../docs/fast_tasks.md#what-the-flow-buys-on-fastpush-the-seeds-other-methods-2026-12-03)).
+# ([the record](../docs/fast_tasks.md#what-the-flow-buys-on-fastpush-and-the-seeds-other-methods-2026-12-03)).
 #
 # The defaults below are a short CPU run of the per-step residual by TD3 from notebook 01's default checkpoint: it
 # shows the machinery in a minute, not a better policy. `params/06_steering/*.yaml` hold the runs of the record.
