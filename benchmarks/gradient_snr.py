@@ -105,6 +105,8 @@ def main(argv=None) -> None:
     # (the parameters PPO moves: a frozen obs_encoder is left out), or of the per-step residual's mean
     if per_step:
         parts = {"residual": agent.policy_parameters()}
+    elif not hasattr(agent, "actor"):  # a chunk steer of the frozen flow: its head
+        parts = {"head": agent.policy_parameters()}
     else:
         parts = {f"velocity.{name}": [p for p in m.parameters() if p.requires_grad]
                  for name, m in agent.actor.base.named_children()}

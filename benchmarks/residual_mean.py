@@ -33,17 +33,17 @@ def demo_windows(episodes: list[data.Episode], obs_horizon: int, stride: int) ->
 @torch.no_grad()
 def residual_stats(agent: ResidualAgent, windows: torch.Tensor, generator: torch.Generator) -> dict:
     """Per action dim: mean ``|mu|``, mean ``mu`` and the share of entries with ``|mu| > 0.75 b``, over the windows
-    and the residual's rows.  ``mu`` is read from the deterministic decision's stored chain (step 0, the executed
-    rows: ``flowlib.residual``'s format)."""
+    and the residual's rows.  ``mu`` is read from the deterministic decision (row 0, the executed rows:
+    ``flowlib.residual``'s format)."""
     if not isinstance(agent, ResidualAgent):
         raise ValueError(f"this script reads a steer 'residual' checkpoint, got {type(agent).__name__}: "
                          "for steer 'residual_step' the correction is the actor's output at each env step")
     rows, start = agent._rows, agent.obs_horizon - 1  # r's rows (Ta or 1), the first executed row
     chain, _ = agent.sample(windows, generator, deterministic=True)
     mu = chain[:, 0, start:start + rows]                                        # [N, n, A]
-    return {"windows": len(windows), "rows": rows, "bound": agent.latent_bound,
+    return {"windows": len(windows), "rows": rows, "bound": agent.residual_bound,
             "mean_abs_mu": mu.abs().mean((0, 1)).tolist(), "mean_mu": mu.mean((0, 1)).tolist(),
-            "share_near_bound": (mu.abs() > 0.75 * agent.latent_bound).float().mean((0, 1)).tolist()}
+            "share_near_bound": (mu.abs() > 0.75 * agent.residual_bound).float().mean((0, 1)).tolist()}
 
 
 def main() -> None:

@@ -32,7 +32,6 @@ import pandas as pd
 import torch
 
 from . import bc, loop, progress, stage3
-from .reinflow_agent import ReinFlowAgent
 from .envs import make_env, resolve_backend
 from .metrics import paired_means, success_rates
 from .runs import load_torch, run_dir, save_json, save_text
@@ -95,7 +94,7 @@ def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, 
                   max_episode_steps=max_episode_steps, fresh_scene=fresh_scene) as env:
         for path, (policy, meta) in progress.bar(iterable=loaded.items(), total=len(loaded), desc="checkpoints"):
             bc.check_compatible(meta, env.spec)
-            explores = noisy and isinstance(policy, ReinFlowAgent)
+            explores = noisy and hasattr(policy, "explore")  # a stage-3 agent: its training-time draws
             for ah in horizons:
                 if ah is not None:
                     set_act_horizon(policy, ah)

@@ -61,9 +61,12 @@ class SACConfig:
 
 
 class LatentSACAgent(LatentSteeringAgent):
-    """``LatentSteeringAgent`` (the policy over ``x_0``, the frozen flow, its sampling and evaluation) with the
-    twin ``Q(o, x_0)``, its Polyak target and the temperature ``alpha = exp(log_alpha)`` (module docstring).
-    Its ``value_net`` (PPO's V) is not trained."""
+    """``LatentSteeringAgent``'s frozen flow and policy over ``x_0`` (its sampling and evaluation) with the twin
+    ``Q(o, x_0)`` in place of PPO's ``V``, its Polyak target and the temperature ``alpha = exp(log_alpha)`` (module
+    docstring)."""
+
+    STATE_VALUE = False
+    LEGACY_DROPPED = ("value_net.",)  # written when this agent carried PPO's V, untrained
 
     def __init__(self, policy, num_inference_steps: int = 8, min_noise_std: float = 0.05, max_noise_std: float = 1.0,
                  value_hidden_dims: tuple[int, ...] = (256, 256), latent_bound: float = 2.5,
@@ -106,7 +109,7 @@ def sac_update(agent: LatentSACAgent, batch: dict[str, torch.Tensor], actor_opt,
     parameters and, when alpha learns, ``log_alpha`` in a group of its own."""
     device = agent.log_alpha.device
     b = {k: v.to(device) for k, v in batch.items()}
-    o, o_next = agent._norm_obs(b["obs"]), agent._norm_obs(b["next_obs"])
+    o, o_next = agent.norm_obs(b["obs"]), agent.norm_obs(b["next_obs"])
     alpha = agent.log_alpha.exp().detach()
     with torch.no_grad():
         w_next, *_ = agent.rsample(o_next, torch.randn_like(b["latent"]))
@@ -189,7 +192,7 @@ def sac_learner(agent: LatentSACAgent, cfg) -> ReplayLearner:
 
     def after_update(learner):
         with torch.no_grad():  # sigma is one learned std per dim of x_0
-            _, sigma = agent._latent(agent._norm_obs(learner.runner.window[:1].to(agent.log_alpha.device)))
+            _, sigma = agent._latent(agent.norm_obs(learner.runner.window[:1].to(agent.log_alpha.device)))
         return {"alpha": agent.log_alpha.exp().item(), "noise_std": sigma.log().mean().exp().item()}
 
     buffer = ReplayBuffer(cfg.replay_size, (agent.obs_horizon, agent.obs_dim), (agent.pred_horizon, agent.action_dim))

@@ -17,8 +17,8 @@ which is exact (no ODE likelihood).  ``sigma`` comes from ``ExploreNoiseNet`` an
 ``[min_noise_std, max_noise_std]``; ``max_noise_std`` decays on a schedule (``flowlib.loop.noise_schedule``).
 Evaluation drops the noise: the deterministic chain.
 
-``flowlib.reinflow`` trains this agent with PPO (chunks as a semi-MDP); ``latent``, ``residual`` and
-``residual_step`` subclass it to steer the frozen flow instead.  Everything here acts on normalised actions (the
+``flowlib.reinflow`` trains this agent with PPO (chunks as a semi-MDP).  The steers (``flowlib.steering``: ``latent``,
+``residual``, ``residual_step``) do not use it: they hold the same flow's ODE frozen, plus a head of their own.  Everything here acts on normalised actions (the
 flow's space, roughly ``[-1, 1]``); the policy's normalisers map to and from the env.
 """
 from __future__ import annotations

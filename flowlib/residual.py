@@ -23,10 +23,10 @@ deterministic policy is the stage-1 policy exactly (its own ``x_0 ~ N(0, I)``: e
 does); the noisy one adds ``sigma ~ 0.95 max_noise_std`` per dim.  Failures that end a few centimetres from
 the goal (docs/stage3.md) are what the correction can reach directly; the base keeps the rest of the skill.
 
-The stored chain keeps the format of the other agents, ``[B, K+1, H, A]``: step 0 holds the residual ``r``
-in the first executed rows (zeros elsewhere) in place of ``x_0``, as ``flowlib.latent`` holds its drawn ``x_0``
-there; steps ``1..K-1`` are the base chain's; step ``K`` is the chunk with ``r`` added, so
-``a_b = x_K - r`` is recovered for re-scoring without the U-Net.
+The agent is the frozen flow plus the Gaussian head plus PPO's ``V`` (``flowlib.steering``).  A decision is stored as
+``[B, 2, H, A]``: row 0 holds ``r`` in the first ``n`` executed rows (zeros elsewhere, and in the gripper's column
+when the base keeps it), row 1 the chunk with ``r`` added, so ``a_b = x_K - r`` is recovered for re-scoring without
+the velocity net.
 """
 from __future__ import annotations
 
@@ -36,9 +36,8 @@ from dataclasses import dataclass
 import torch
 
 from .config import PositiveFloat, PositiveInt
-from .latent import LatentSteeringAgent
 from .reinflow import score_options
-from .reinflow_agent import ReinFlowAgent
+from .steering import ChunkSteeringAgent, GaussianHead, steer_options
 
 RESIDUAL_PER = ("action", "chunk")  # one correction per executed action, or one for the whole chunk
 
@@ -71,29 +70,32 @@ def residual_agent(policy, cfg) -> "ResidualAgent":
                          cfg.residual_per, correct_gripper=cfg.residual_gripper, **score_options(cfg))
 
 
-class ResidualAgent(LatentSteeringAgent):
-    """The frozen flow plus ``pi_phi(r | o, a_b)`` (module docstring); ``residual_bound`` is ``b`` (``|mu| <= b``
-    per dim, normalised action units), ``residual_hidden`` the MLP's hidden sizes; ``[min, max]_noise_std`` bound
-    ``sigma``.  ``residual_per``: ``"action"``, one correction per executed action (``r [Ta, A]``), or
-    ``"chunk"``, one for the whole chunk (``r [1, A]``, added to each of its ``Ta`` actions: an ``A``-dim
-    Gaussian whose every dim moves ``Ta`` actions at once).  ``correct_gripper`` False leaves the last action dim
-    to the base (``r`` has ``A - 1`` dims).  Sampling, PPO, evaluation and checkpoints are those of
-    ``LatentSteeringAgent``."""
+class ResidualAgent(ChunkSteeringAgent):
+    """The frozen flow plus ``pi_phi(r | o, a_b)`` (module docstring) and PPO's ``V(o)``; ``residual_bound`` is ``b``
+    (``|mu| <= b`` per dim, normalised action units), ``residual_hidden`` the MLP's hidden sizes;
+    ``[min, max]_noise_std`` bound ``sigma``.  ``residual_per``: ``"action"``, one correction per executed action
+    (``r [Ta, A]``), or ``"chunk"``, one for the whole chunk (``r [1, A]``, added to each of its ``Ta`` actions: an
+    ``A``-dim Gaussian whose every dim moves ``Ta`` actions at once).  ``correct_gripper`` False leaves the last
+    action dim to the base (``r`` has ``A - 1`` dims)."""
 
     STEER = "residual"
+    LEGACY_RENAMES = (("latent_net.", "head.net."), ("latent_std_logit", "head.std_logit"),
+                      ("latent_std_range", "head.std_range"))
 
     def __init__(self, policy, num_inference_steps: int = 8, min_noise_std: float = 0.01, max_noise_std: float = 0.2,
                  value_hidden_dims: tuple[int, ...] = (256, 256), residual_bound: float = 0.5,
                  residual_hidden: tuple[int, ...] = (256, 256), residual_per: str = "action",
-                 correct_gripper: bool = True, **kwargs):
+                 correct_gripper: bool = True, **options):
         if not residual_bound > 0:
             raise ValueError(f"residual_bound must be > 0, got {residual_bound}")
         if residual_per not in RESIDUAL_PER:
             raise ValueError(f"residual_per must be one of {RESIDUAL_PER}, got {residual_per!r}")
-        self.residual_per = residual_per
-        self.correct_gripper = bool(correct_gripper)
-        super().__init__(policy, num_inference_steps, min_noise_std, max_noise_std, value_hidden_dims, residual_bound,
-                         residual_hidden, **kwargs)
+        why = f"steer {self.STEER!r} draws one Gaussian per decision (the chain is the ODE)"
+        super().__init__(policy, num_inference_steps, value_hidden_dims, **steer_options(options, why))
+        self.residual_per, self.correct_gripper = residual_per, bool(correct_gripper)
+        n_in = self.obs_horizon * self.obs_dim + self.act_horizon * self.action_dim  # (obs window, base actions)
+        # mu = 0 at the start: the stage-1 policy
+        self.head = GaussianHead(n_in, self._draw_dims(), residual_bound, residual_hidden, min_noise_std, max_noise_std)
 
     @property
     def _rows(self) -> int:  # n: the residual's rows, Ta ("action") or 1 ("chunk")
@@ -103,45 +105,39 @@ class ResidualAgent(LatentSteeringAgent):
     def _dims(self) -> int:  # r's dims per row: A, or the arm's A - 1 when the gripper is left to the base
         return self.action_dim if self.correct_gripper else self.action_dim - 1
 
-    def _head_sizes(self) -> tuple[int, int]:  # (obs window, base actions) -> residual
-        return self.obs_horizon * self.obs_dim + self.act_horizon * self.action_dim, self._rows * self._dims
+    @property
+    def residual_bound(self) -> float:
+        return self.head.bound
+
+    def _draw_dims(self) -> int:  # r's n x d dims
+        return self._rows * self._dims
 
     def _residual(self, o: torch.Tensor, base: torch.Tensor):  # [B, To, O], [B, Ta, A] normalised -> [B, n, d] x 2
-        return self._gaussian(torch.cat([o.flatten(1), base.flatten(1)], 1), (len(base), self._rows, self._dims))
+        mu, sigma = self.head(torch.cat([o.flatten(1), base.flatten(1)], 1))
+        shape = (len(base), self._rows, self._dims)
+        return mu.view(shape), sigma.reshape(shape)
 
-    def _step_dims(self, device=None) -> torch.Tensor:  # [K]: r's n x d dims, counted at step 0
-        dims = torch.zeros(self.K, device=device)
-        dims[0] = self._rows * self._dims
-        return dims
-
-    def _with_residual(self, chain: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        """The stored chain (module docstring): ``r [B, n, d]`` at step 0's first ``n`` executed rows (0 in the
-        gripper's column when it is the base's), and added to (broadcast over) step K's executed rows."""
+    def _with_residual(self, chunk: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """The stored decision (module docstring) of the base ``chunk [B, H, A]`` and ``r [B, n, d]``: ``r`` in row
+        0's first ``n`` executed rows (0 in the gripper's column when it is the base's), and added to (broadcast over)
+        row 1's executed rows."""
         start = self.obs_horizon - 1
         r = torch.nn.functional.pad(r, (0, self.action_dim - self._dims))  # [B, n, A]
-        out = chain.clone()
-        out[:, 0] = 0.0
-        out[:, 0, start:start + self._rows] = r
-        out[:, -1, start:start + self.act_horizon] += r
-        return out
+        draw, out = torch.zeros_like(chunk), chunk.clone()
+        draw[:, start:start + self._rows] = r
+        out[:, start:start + self.act_horizon] += r
+        return torch.stack([draw, out], 1)
 
-    @torch.no_grad()
-    def sample(self, obs_window: torch.Tensor, generator: torch.Generator | None = None, deterministic: bool = False,
-               return_steps: bool = False, x0: torch.Tensor | None = None):
-        """The base chunk from ``x_0`` (``x0``, or ``N(0, I)`` from ``generator``; drawn also when
-        ``deterministic``, as stage 1 evaluates), then ``r = mu + sigma eps`` (``r = mu`` when ``deterministic``).
-        Returns what ``ReinFlowAgent.sample`` does."""
-        o = self._norm_obs(obs_window)
-        base, _ = ReinFlowAgent.sample(self, obs_window, generator, deterministic=True, x0=x0)
-        mu, sigma = self._residual(o, self._executed(base[:, -1]))
+    def _sample(self, o, generator, deterministic, x0):
+        """The base chunk from ``x_0`` (``x0``, or ``N(0, I)`` from ``generator``; drawn also when ``deterministic``,
+        as stage 1 evaluates), then ``r = mu + sigma eps`` (``r = mu`` when ``deterministic``)."""
+        x0 = self.flow.draw_x0(len(o), generator) if x0 is None else x0
+        base = self.flow.chunk(o, x0)
+        mu, sigma = self._residual(o, self.flow.executed(base))
         r = mu if deterministic else mu + sigma * torch.randn(mu.shape, generator=generator).to(mu.device)
-        return self._decision(self._with_residual(base, r), r, mu, sigma, deterministic, return_steps)
+        return self._with_residual(base, r), r, mu, sigma
 
-    def step_log_probs(self, obs_window: torch.Tensor, chain: torch.Tensor, stochastic: torch.Tensor | None = None):
-        """``[B, K]`` with ``log N(r; mu(o, a_b), sigma^2)`` in column 0 (where ``stochastic`` says r was drawn),
-        ``a_b = x_K - r`` on the executed rows, and the mean per-dim entropy of the residual Gaussian ``[B]``."""
-        def gaussian(chain):
-            r = self._executed(chain[:, 0])[:, :self._rows]                     # [B, n, A], 0 where r has no dim
-            return (r[..., :self._dims], *self._residual(self._norm_obs(obs_window), self._executed(chain[:, -1]) - r))
-
-        return self._rescore(chain, stochastic, gaussian)
+    def _score(self, o, decision):
+        """The stored ``r`` and its Gaussian at ``a_b = x_K - r`` on the executed rows."""
+        r = self.flow.executed(decision[:, 0])[:, :self._rows]                  # [B, n, A], 0 where r has no dim
+        return (r[..., :self._dims], *self._residual(o, self.flow.executed(decision[:, -1]) - r))

@@ -50,36 +50,35 @@ import torch.nn as nn
 
 from .buffers import ReplayBuffer, RolloutBuffer
 from .flow_sde import gaussian_entropy, gaussian_log_prob
-from .latent import refuse_chain_options
 from .learners import PPOLearner
 from .nets import TwinQ, mlp
-from .reinflow_agent import ReinFlowAgent
 from .smdp import ChunkRunner
+from .steering import FlowSteer, steer_options
 
 
-class StepResidualAgent(ReinFlowAgent):
+class StepResidualAgent(FlowSteer):
     """The frozen flow (its deterministic chain from ``x_0 ~ N(0, I)`` proposes each chunk) plus the residual actor
     ``mu_phi(o, a_b)``, its TD3 twin critics ``Q(o, a_b, r)`` and the Polyak targets of both (module docstring).
     ``residual_bound`` is ``b``; ``max_noise_std`` the exploration std of ``r``; ``residual_hidden`` the actor's
     hidden sizes, ``value_hidden_dims`` the critics'.  ``correct_gripper`` False keeps ``r``, its exploration and its
-    target smoothing at 0 on the last action dim (the gripper), which then runs as the base commands it.  The
-    ReinFlow noise and value nets it inherits are unused."""
+    target smoothing at 0 on the last action dim (the gripper), which then runs as the base commands it.
+    ``min_noise_std`` is not read (the std is the schedule's, not learned); it stays in the signature of the
+    steers."""
 
     closed_loop = True  # flowlib.bc.evaluate corrects each executed action (correct_step)
     CLIP_EXPLORATION = True  # TD3 stores the clipped draw; PPO's subclass scores an unclipped one
+    LEGACY_DROPPED = ("value_net.",)  # written when this agent carried the chain agent's V, untrained
 
     def __init__(self, policy, num_inference_steps: int = 8, min_noise_std: float = 0.01, max_noise_std: float = 0.05,
                  value_hidden_dims: tuple[int, ...] = (256, 256), residual_bound: float = 0.5,
-                 residual_hidden: tuple[int, ...] = (256, 256), correct_gripper: bool = True, **kwargs):
+                 residual_hidden: tuple[int, ...] = (256, 256), correct_gripper: bool = True, **options):
         why = "steer 'residual_step' runs the flow's ODE; its policy is one Gaussian per env step (no chain log-prob)"
-        refuse_chain_options(kwargs, why)
-        for key, default in (("log_prob_reduce", "sum"), ("critic_input", "obs")):
-            if kwargs.get(key, default) != default:
-                raise ValueError(f"{why}: {key} must be {default!r}, got {kwargs[key]!r}")
+        options = steer_options(options, why)
+        if options.get("log_prob_reduce", "sum") != "sum":
+            raise ValueError(f"{why}: log_prob_reduce must be 'sum', got {options['log_prob_reduce']!r}")
         if not residual_bound > 0:
             raise ValueError(f"residual_bound must be > 0, got {residual_bound}")
-        super().__init__(policy, num_inference_steps, min_noise_std, max_noise_std, value_hidden_dims, **kwargs)
-        self.actor.base.requires_grad_(False)  # the flow stays as stage 1/2 left it
+        super().__init__(policy, num_inference_steps, options.get("act_horizon", 0), options.get("obs_clip", 5.0))
         self.residual_bound = float(residual_bound)
         self.state_dim = self.obs_horizon * self.obs_dim + self.action_dim  # s = (o window, a_b)
         self.residual_net = mlp([self.state_dim, *residual_hidden, self.action_dim], act=nn.Mish)
@@ -110,7 +109,7 @@ class StepResidualAgent(ReinFlowAgent):
 
     def state(self, obs_window: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         """``s = [normalised, clipped o window (flat), a_b]``: raw ``[B, To, O]``, normalised ``[B, A]`` -> ``[B, S]``."""
-        return torch.cat([self._norm_obs(obs_window).flatten(1), base], 1)
+        return torch.cat([self.norm_obs(obs_window).flatten(1), base], 1)
 
     def residual(self, s: torch.Tensor, target: bool = False) -> torch.Tensor:
         """``mu_phi(s) = b tanh(f_phi(s))`` ``[B, A]``, 0 on the dims it leaves to the base (``target``: the
@@ -122,8 +121,9 @@ class StepResidualAgent(ReinFlowAgent):
                    x0: torch.Tensor | None = None) -> torch.Tensor:
         """The frozen flow's executed actions in env units ``[B, Ta, A]`` (clipped to the action box), from
         ``x0`` or ``x_0 ~ N(0, I)`` drawn from ``generator``: the stage-1 policy's chunk."""
-        chain, _ = ReinFlowAgent.sample(self, obs_window, generator, deterministic=True, x0=x0)
-        return self.actions(chain)
+        o = self.norm_obs(obs_window)
+        x0 = self.flow.draw_x0(len(o), generator) if x0 is None else x0
+        return self.flow.actions(self.flow.chunk(o, x0))
 
     @torch.no_grad()
     def act(self, obs_window: torch.Tensor, num_steps: int | None = None, generator: torch.Generator | None = None,
@@ -170,8 +170,7 @@ class StepResidualPPOAgent(StepResidualAgent):
     learned) and ``r`` not clipped, so that its density is exact; the critic is a state value ``V_psi(s)``
     (``value_hidden_dims``).  Every env step is a decision: ``score_rollout`` turns the collector's steps into the
     ``RolloutBuffer`` that ``learners.PPOLearner``'s GAE reads, with the state ``s`` in place of the observation window
-    and ``r`` as a one-row chain ``[1, A]``, and ``ppo_view`` is what ``flowlib.ppo.ppo_update`` scores them with.
-    The chain methods it inherits (``sample``, ``log_prob``, ``value`` of a window) stay the base flow's."""
+    and ``r`` as a one-row chain ``[1, A]``, and ``ppo_view`` is what ``flowlib.ppo.ppo_update`` scores them with."""
 
     CLIP_EXPLORATION = False  # r is drawn unclipped, so the Gaussian density PPO scores is exact
 
@@ -188,6 +187,10 @@ class StepResidualPPOAgent(StepResidualAgent):
         r, mu = chains[:, 0, acts], self.residual(s)[:, acts]                                 # [B, A'] each
         sigma = self.explore_std.expand_as(r)
         return gaussian_log_prob(r, mu, sigma)[:, None], gaussian_entropy(sigma)
+
+    def joint_log_prob(self, step_log_probs: torch.Tensor, stochastic: torch.Tensor, chains: torch.Tensor):
+        """``[B, 1] -> [B]``: ``r``'s log-density where it was drawn (one Gaussian per decision, summed over its dims)."""
+        return step_log_probs[:, 0] * stochastic[:, 0].to(step_log_probs.dtype)
 
     def ppo_view(self) -> "_PPOView":
         return _PPOView(self)

@@ -58,11 +58,17 @@ def test_stage3_checkpoint_loads_and_computes_what_it_did(kind, expected):
                 assert close(agent.state_value(s)[:, 0], rec["state_value"])
         else:
             chain, lp = agent.sample(windows, torch.Generator().manual_seed(9))
-            assert close(chain, rec["chain"]) and close(lp, rec["sample_log_prob"])
-            assert close(agent.log_prob(windows, rec["chain"])[0], rec["log_prob"])
-            assert close(agent.value(windows), rec["value"])
+            stored = rec["chain"]
+            if chain.shape[1] == 2 and stored.shape[1] > 2:
+                # a steer of the frozen flow, written when it stored its decision as a whole chain: its draw was
+                # step 0 and its chunk step K, the two rows of its decision now (flowlib.steering)
+                stored = stored[:, [0, -1]]
+            assert close(chain, stored) and close(lp, rec["sample_log_prob"])
+            assert close(agent.log_prob(windows, stored)[0], rec["log_prob"])
+            if hasattr(agent, "value_net"):  # DSRL-SAC's agent carried an untrained V; it has its Q alone now
+                assert close(agent.value(windows), rec["value"])
             if "q" in rec:
-                assert close(agent.q(agent._norm_obs(windows).flatten(1), chain[:, 0].flatten(1)), rec["q"])
+                assert close(agent.q(agent.norm_obs(windows).flatten(1), chain[:, 0].flatten(1)), rec["q"])
 
 
 @pytest.mark.parametrize("kind", ["stage1", "stage2"])

@@ -11,7 +11,7 @@ from test_reinflow import ACT_DIM, fake_batch, tiny_policy
 def latent_agent(K=4, bound=2.5, **kwargs):
     policy, dataset = tiny_policy()
     agent = LatentSteeringAgent(policy, K, min_noise_std=0.05, max_noise_std=1.0, value_hidden_dims=(16,),
-                                latent_bound=bound, latent_hidden=(16,), noise_hidden=16, **kwargs)
+                                latent_bound=bound, latent_hidden=(16,), **kwargs)
     obs = torch.stack([dataset[i][0] for i in range(5)])
     return agent, obs, policy
 
@@ -19,15 +19,15 @@ def latent_agent(K=4, bound=2.5, **kwargs):
 def test_log_prob_is_the_latent_gaussian_of_x0_and_the_chain_is_the_ode_from_it():
     agent, obs, policy = latent_agent()
     with torch.no_grad():  # move mu and sigma away from their start so the check sees them
-        agent.latent_net[-1].bias.normal_(0, 1.0)
-        agent.latent_std_logit.normal_(0, 1.0)
+        agent.head.net[-1].bias.normal_(0, 1.0)
+        agent.head.std_logit.normal_(0, 1.0)
     chain, log_prob, stochastic, step_lp = agent.sample(obs, torch.Generator().manual_seed(1), return_steps=True)
-    o = agent._norm_obs(obs)
-    mu = 2.5 * torch.tanh(agent.latent_net(o.flatten(1))).view(5, 16, ACT_DIM)
-    sigma = 0.05 + 0.95 * torch.sigmoid(agent.latent_std_logit).view(16, ACT_DIM)
+    o = agent.norm_obs(obs)
+    mu = 2.5 * torch.tanh(agent.head.net(o.flatten(1))).view(5, 16, ACT_DIM)
+    sigma = 0.05 + 0.95 * torch.sigmoid(agent.head.std_logit).view(16, ACT_DIM)
     expected = torch.distributions.Normal(mu, sigma).log_prob(chain[:, 0]).flatten(1).sum(1)
     assert torch.allclose(log_prob, expected, atol=1e-4)
-    assert stochastic[:, 0].all() and not stochastic[:, 1:].any() and torch.equal(step_lp[:, 1:], torch.zeros(5, 3))
+    assert stochastic.shape == step_lp.shape == (5, 1) and stochastic.all() and chain.shape == (5, 2, 16, ACT_DIM)
     # the chain from x_0 is the frozen flow's ODE: the stage-1 policy's chunk from the same x_0
     assert torch.allclose(agent.action_normalizer.unnormalize(chain[:, -1]), policy.chunk(obs, chain[:, 0], 4), atol=1e-5)
     # re-scoring gives the same log-prob (PPO's ratio is 1 before an update), and the Gaussian's entropy
@@ -44,7 +44,7 @@ def test_at_the_start_the_noisy_policy_is_the_stage1_policy_and_the_deterministi
     agent, obs, policy = latent_agent()
     eps = torch.randn(5, 16, ACT_DIM, generator=torch.Generator().manual_seed(2))
     agent.explore = torch.Generator()
-    sigma = agent._latent(agent._norm_obs(obs))[1]
+    sigma = agent._latent(agent.norm_obs(obs))[1]
     assert torch.allclose(agent.act(obs, x0=eps), policy.act(obs, 4, x0=sigma * eps).clamp(-1, 1), atol=1e-5)
     agent.explore = None
     assert torch.allclose(agent.act(obs, x0=eps), policy.act(obs, 4, x0=torch.zeros_like(eps)).clamp(-1, 1), atol=1e-5)
@@ -52,16 +52,16 @@ def test_at_the_start_the_noisy_policy_is_the_stage1_policy_and_the_deterministi
 
 def test_ppo_moves_the_latent_policy_and_leaves_the_flow_as_it_was():
     agent, obs, _ = latent_agent()
-    flow = {k: v.clone() for k, v in agent.actor.base.state_dict().items()}
-    o = agent._norm_obs(obs)
+    flow = {k: v.clone() for k, v in agent.flow.net.state_dict().items()}
+    o = agent.norm_obs(obs)
     mu, sigma = (x.detach().clone() for x in agent._latent(o))
-    assert {id(p) for p in agent.policy_parameters()}.isdisjoint(id(p) for p in agent.actor.parameters())
+    assert {id(p) for p in agent.policy_parameters()}.isdisjoint(id(p) for p in agent.flow.parameters())
     cfg = stage3.Stage3Config(minibatch_size=5, update_epochs=2, steer="latent")
     opt_a = torch.optim.Adam(agent.policy_parameters(), 1e-3)
     opt_c = torch.optim.Adam(agent.value_parameters(), 1e-3)
     stats = ppo.ppo_update(agent, fake_batch(agent, obs), opt_a, opt_c, cfg)  # checks ratio == 1 first
     assert stats["policy_steps"] == 2
-    assert all(torch.equal(flow[k], v) for k, v in agent.actor.base.state_dict().items())
+    assert all(torch.equal(flow[k], v) for k, v in agent.flow.net.state_dict().items())
     assert not torch.allclose(agent._latent(o)[0], mu) and not torch.allclose(agent._latent(o)[1], sigma)
 
 

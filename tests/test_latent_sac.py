@@ -20,7 +20,7 @@ SAC = {"steer": "latent", "learner": "sac", "max_noise_std": 1.0, "final_noise_s
 def sac_agent(init_alpha=0.01):
     policy, dataset = tiny_policy()
     agent = LatentSACAgent(policy, 4, min_noise_std=0.05, max_noise_std=1.0, value_hidden_dims=(32, 32),
-                           latent_bound=2.5, latent_hidden=(16,), init_alpha=init_alpha, noise_hidden=16)
+                           latent_bound=2.5, latent_hidden=(16,), init_alpha=init_alpha)
     obs = torch.stack([dataset[i][0] for i in range(5)])
     return agent, obs
 
@@ -66,12 +66,12 @@ def test_the_critics_fit_the_smdp_target_and_bootstrap_only_where_told():
         last = sac_update(agent, terminal, actor_opt, critic_opt, cfg, train_policy=False)
     assert last["value_loss"] < 0.01 * first["value_loss"]
     with torch.no_grad():
-        q = agent.q(agent._norm_obs(obs).flatten(1), latent.flatten(1))
+        q = agent.q(agent.norm_obs(obs).flatten(1), latent.flatten(1))
     assert torch.allclose(q, reward.expand(2, 5), atol=0.05)
     # with a bootstrap factor the target adds it times min_j Q_bar_j(o', w'), w' drawn from the policy at o'
     torch.manual_seed(3)
     with torch.no_grad():
-        o_next = agent._norm_obs(obs.flip(0))
+        o_next = agent.norm_obs(obs.flip(0))
         w_next, *_ = agent.rsample(o_next, torch.randn_like(latent))
         expected = reward + 0.9 * agent.q_target(o_next.flatten(1), w_next).min(0).values
     torch.manual_seed(3)
@@ -82,11 +82,11 @@ def test_the_critics_fit_the_smdp_target_and_bootstrap_only_where_told():
 
 def test_the_actor_moves_x0_toward_the_latents_that_paid_and_leaves_the_flow_as_it_was():
     agent, obs = sac_agent()
-    flow = {k: v.clone() for k, v in agent.actor.base.state_dict().items()}
+    flow = {k: v.clone() for k, v in agent.flow.net.state_dict().items()}
     cfg = stage3.Stage3Config(**SAC, actor_lr=3e-3, critic_lr=3e-3)
     actor_opt, critic_opt = optimizers(agent, cfg)
     gen = torch.Generator().manual_seed(0)
-    o = agent._norm_obs(obs)
+    o = agent.norm_obs(obs)
     mu_before = agent._latent(o)[0][:, 0, 0].clone()
     for _ in range(600):  # one-decision episodes paying 1 when the first dim of x_0 is positive
         latent = torch.randn(5, 16, ACT_DIM, generator=gen)
@@ -95,7 +95,7 @@ def test_the_actor_moves_x0_toward_the_latents_that_paid_and_leaves_the_flow_as_
     mu_after = agent._latent(o)[0]
     assert (mu_after[:, 0, 0] > mu_before + 0.5).all()
     assert mu_after[:, 0, 0].mean() > 3 * mu_after[:, 1:].abs().mean()  # the other dims paid nothing
-    assert all(torch.equal(flow[k], v) for k, v in agent.actor.base.state_dict().items())
+    assert all(torch.equal(flow[k], v) for k, v in agent.flow.net.state_dict().items())
 
 
 def test_the_prior_kl_is_the_closed_form_gaussian_kl_per_dim():
@@ -110,7 +110,7 @@ def test_the_prior_kl_is_the_closed_form_gaussian_kl_per_dim():
 def test_alpha_rises_while_the_policy_is_further_from_the_prior_than_its_target_and_falls_while_closer(target_kl, direction):
     agent, obs = sac_agent(init_alpha=0.1)
     with torch.no_grad():
-        agent.latent_net[-1].bias.fill_(0.12)  # mu = 2.5 tanh(0.12) ~ 0.3: KL per dim ~ 0.045 + 0.0013 (sigma ~ 0.95)
+        agent.head.net[-1].bias.fill_(0.12)  # mu = 2.5 tanh(0.12) ~ 0.3: KL per dim ~ 0.045 + 0.0013 (sigma ~ 0.95)
     cfg = stage3.Stage3Config(**SAC, sac_target_kl=target_kl, sac_alpha_lr=1e-2, actor_lr=1e-6)
     actor_opt, critic_opt = optimizers(agent, cfg)
     latent = torch.randn(5, 16, ACT_DIM)

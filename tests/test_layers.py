@@ -17,7 +17,7 @@ LAYERS = {
     "world": {"fast_envs", "envs", "data", "smdp"},
     "policy": {"bc", "critic", "awsc"},
     "rl core": {"ppo", "buffers", "loop", "learners"},
-    "methods": {"reinflow_agent", "reinflow", "latent", "latent_sac", "residual", "residual_step", "residual_td3",
+    "methods": {"reinflow_agent", "reinflow", "steering", "latent", "latent_sac", "residual", "residual_step", "residual_td3",
                 "gaussian", "rfc", "fql"},
     "registry": {"stage3"},
     "tools": {"bench", "export", "evaluate", "pirl", "seeds", "sweep", "run", "__init__"},

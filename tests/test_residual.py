@@ -14,7 +14,7 @@ TA, START = 8, 1  # the tiny policy's act_horizon; executed rows start at obs_ho
 def residual_agent(K=4, bound=0.5, **kwargs):
     policy, dataset = tiny_policy()
     agent = ResidualAgent(policy, K, min_noise_std=0.01, max_noise_std=0.2, value_hidden_dims=(16,),
-                          residual_bound=bound, residual_hidden=(16,), noise_hidden=16, **kwargs)
+                          residual_bound=bound, residual_hidden=(16,), **kwargs)
     obs = torch.stack([dataset[i][0] for i in range(5)])
     return agent, obs, policy
 
@@ -24,8 +24,8 @@ def test_log_prob_is_the_residual_gaussian_and_the_chunk_is_the_base_plus_the_re
     agent, obs, policy = residual_agent(residual_per=per)
     n = TA if per == "action" else 1  # rows of r: one per executed action, or one for the chunk
     with torch.no_grad():  # move mu and sigma away from their start so the check sees them
-        agent.latent_net[-1].bias.normal_(0, 1.0)
-        agent.latent_std_logit.normal_(0, 1.0)
+        agent.head.net[-1].bias.normal_(0, 1.0)
+        agent.head.std_logit.normal_(0, 1.0)
     x0 = torch.randn(5, 16, ACT_DIM, generator=torch.Generator().manual_seed(3))
     chain, log_prob, stochastic, step_lp = agent.sample(obs, torch.Generator().manual_seed(1), return_steps=True, x0=x0)
     base = agent.action_normalizer.normalize(policy.chunk(obs, x0, 4))              # the stage-1 chunk from x_0
@@ -34,13 +34,13 @@ def test_log_prob_is_the_residual_gaussian_and_the_chunk_is_the_base_plus_the_re
     assert torch.equal(chain[:, 0, START + n:], torch.zeros_like(chain[:, 0, START + n:]))
     assert torch.allclose(chain[:, -1, START:START + TA], base[:, START:START + TA] + r, atol=1e-5)
     assert torch.allclose(chain[:, -1, START + TA:], base[:, START + TA:], atol=1e-5)  # what does not run is untouched
-    o = agent._norm_obs(obs)
-    mu = 0.5 * torch.tanh(agent.latent_net(torch.cat([o.flatten(1), base[:, START:START + TA].flatten(1)], 1)))
+    o = agent.norm_obs(obs)
+    mu = 0.5 * torch.tanh(agent.head.net(torch.cat([o.flatten(1), base[:, START:START + TA].flatten(1)], 1)))
     mu = mu.view(5, n, ACT_DIM)
-    sigma = 0.01 + 0.19 * torch.sigmoid(agent.latent_std_logit).view(n, ACT_DIM)
+    sigma = 0.01 + 0.19 * torch.sigmoid(agent.head.std_logit).view(n, ACT_DIM)
     expected = torch.distributions.Normal(mu, sigma).log_prob(r).flatten(1).sum(1)
     assert torch.allclose(log_prob, expected, atol=1e-4)
-    assert stochastic[:, 0].all() and not stochastic[:, 1:].any() and torch.equal(step_lp[:, 1:], torch.zeros(5, 3))
+    assert stochastic.shape == step_lp.shape == (5, 1) and stochastic.all() and chain.shape == (5, 2, 16, ACT_DIM)
     # re-scoring recovers a_b = x_K - r without the flow and gives the same log-prob (PPO's ratio is 1)
     rescored, entropy = agent.log_prob(obs, chain, stochastic)
     assert torch.allclose(rescored, log_prob, atol=1e-4)
@@ -64,17 +64,17 @@ def test_at_the_start_the_deterministic_policy_is_the_stage1_policy_and_the_nois
 
 def test_ppo_moves_the_residual_policy_and_leaves_the_flow_as_it_was():
     agent, obs, _ = residual_agent()
-    flow = {k: v.clone() for k, v in agent.actor.base.state_dict().items()}
+    flow = {k: v.clone() for k, v in agent.flow.net.state_dict().items()}
     x0 = torch.randn(5, 16, ACT_DIM)
-    base = agent._executed(agent.sample(obs, deterministic=True, x0=x0)[0][:, -1])
-    o = agent._norm_obs(obs)
+    base = agent.flow.executed(agent.sample(obs, deterministic=True, x0=x0)[0][:, -1])
+    o = agent.norm_obs(obs)
     mu, sigma = (x.detach().clone() for x in agent._residual(o, base))
     cfg = stage3.Stage3Config(minibatch_size=5, update_epochs=2, steer="residual")
     opt_a = torch.optim.Adam(agent.policy_parameters(), 1e-3)
     opt_c = torch.optim.Adam(agent.value_parameters(), 1e-3)
     stats = ppo.ppo_update(agent, fake_batch(agent, obs), opt_a, opt_c, cfg)  # checks ratio == 1 first
     assert stats["policy_steps"] == 2
-    assert all(torch.equal(flow[k], v) for k, v in agent.actor.base.state_dict().items())
+    assert all(torch.equal(flow[k], v) for k, v in agent.flow.net.state_dict().items())
     assert not torch.allclose(agent._residual(o, base)[0], mu) and not torch.allclose(agent._residual(o, base)[1], sigma)
 
 
@@ -100,8 +100,8 @@ def test_the_residual_mean_benchmark_reads_mu_per_action_dim():
     agent, obs, _ = residual_agent(residual_per="chunk")
     c = torch.tensor([0.3, -2.0, 0.0, 1.0])  # mu = 0.5 tanh(c) whatever the input: a known push per dim
     with torch.no_grad():
-        agent.latent_net[-1].weight.zero_()
-        agent.latent_net[-1].bias.copy_(c)
+        agent.head.net[-1].weight.zero_()
+        agent.head.net[-1].bias.copy_(c)
     stats = bench.residual_stats(agent, obs, torch.Generator().manual_seed(0))
     mu = 0.5 * torch.tanh(c)
     assert stats["windows"] == 5 and stats["rows"] == 1 and stats["bound"] == 0.5
@@ -117,8 +117,8 @@ def test_with_the_gripper_left_to_the_base_r_has_the_arm_dims_only(per):
     agent, obs, policy = residual_agent(residual_per=per, correct_gripper=False)
     n = TA if per == "action" else 1
     with torch.no_grad():  # a correction on every dim, were it allowed
-        agent.latent_net[-1].bias.normal_(0, 1.0)
-        agent.latent_std_logit.normal_(0, 1.0)
+        agent.head.net[-1].bias.normal_(0, 1.0)
+        agent.head.std_logit.normal_(0, 1.0)
     x0 = torch.randn(5, 16, ACT_DIM, generator=torch.Generator().manual_seed(3))
     chain, log_prob, stochastic, _ = agent.sample(obs, torch.Generator().manual_seed(1), return_steps=True, x0=x0)
     base = agent.action_normalizer.normalize(policy.chunk(obs, x0, 4))
@@ -127,10 +127,10 @@ def test_with_the_gripper_left_to_the_base_r_has_the_arm_dims_only(per):
     r = chain[:, 0, START:START + n, :-1]                                               # [5, n, A - 1]
     assert (r.abs() > 0).all()
     assert torch.allclose(chain[:, -1, START:START + TA, :-1], base[:, START:START + TA, :-1] + r, atol=1e-5)
-    o = agent._norm_obs(obs)
-    mu = 0.5 * torch.tanh(agent.latent_net(torch.cat([o.flatten(1), base[:, START:START + TA].flatten(1)], 1)))
+    o = agent.norm_obs(obs)
+    mu = 0.5 * torch.tanh(agent.head.net(torch.cat([o.flatten(1), base[:, START:START + TA].flatten(1)], 1)))
     mu = mu.view(5, n, ACT_DIM - 1)
-    sigma = 0.01 + 0.19 * torch.sigmoid(agent.latent_std_logit).view(n, ACT_DIM - 1)
+    sigma = 0.01 + 0.19 * torch.sigmoid(agent.head.std_logit).view(n, ACT_DIM - 1)
     expected = torch.distributions.Normal(mu, sigma).log_prob(r).flatten(1).sum(1)      # n x (A - 1) dims
     assert torch.allclose(log_prob, expected, atol=1e-4)
     assert torch.allclose(agent.log_prob(obs, chain, stochastic)[0], log_prob, atol=1e-4)  # PPO's ratio is 1
