@@ -38,7 +38,8 @@ import torch
 from tqdm import tqdm
 
 from flowlib import bc
-from flowlib.envs import PICKCUBE_FINGERS, make_env, resolve_backend
+from flowlib.envs import make_env, resolve_backend
+from flowlib.tasks import PICKCUBE_FINGERS
 from flowlib.evaluate import load_checkpoint_policy
 from flowlib.runs import run_dir, save_json
 

@@ -28,7 +28,8 @@ from collections import defaultdict
 import torch
 from tqdm import tqdm
 
-from flowlib.envs import DEFAULT_CONTROL_MODE, make_env
+from flowlib.envs import make_env
+from flowlib.tasks import DEFAULT_CONTROL_MODE
 from flowlib.runs import run_dir, save_json
 
 PARTS = ("controller", "physics", "evaluate", "observation", "reward")

@@ -28,13 +28,11 @@ import torch
 from torch.utils.data import Dataset
 
 from . import progress
-from .envs import DEFAULT_CONTROL_MODE, check_env_id, clear_grasp_at_reset, is_fast
+from .envs import check_env_id, clear_grasp_at_reset, is_fast
 from .envs import control_mode as task_control_mode
 from .fast_envs import FAST_TASKS, demonstrate
 from .runs import outputs_root
-
-MOTION_PLANNING_ENVS = ("PickCube-v1", "PushCube-v1", "StackCube-v1", "PegInsertionSide-v1", "PlugCharger-v1",
-                        "PullCube-v1", "LiftPegUpright-v1", "PullCubeTool-v1", "DrawTriangle-v1", "DrawSVG-v1")
+from .tasks import DEFAULT_CONTROL_MODE, MOTION_PLANNING_ENVS
 
 
 @dataclass
@@ -64,11 +62,12 @@ def demo_dir(env_id: str) -> Path:
 def demo_path(env_id: str, num_demos: int) -> Path:
     if is_fast(env_id):
         return demo_dir(env_id) / f"demos_{num_demos}.state.{task_control_mode(env_id)}.torch.h5"
-    return demo_dir(env_id) / f"demos_{num_demos}.state.{DEFAULT_CONTROL_MODE}.physx_cpu.h5"
+    return demo_dir(env_id) / f"demos_{num_demos}.state.{task_control_mode(env_id)}.physx_cpu.h5"
 
 
 def generate_demos(env_id: str = "PickCube-v1", num_demos: int = 100, num_procs: int = 1, force: bool = False) -> Path:
-    """Motion-planned demos replayed to state obs + ``pd_ee_delta_pos``; cached, so a second call is free.  For a
+    """Motion-planned demos replayed to state obs and the task's control mode (``flowlib.tasks``: ``pd_ee_delta_pos``
+    unless the task needs another); cached, so a second call is free.  For a
     fast torch task (``flowlib.fast_envs``), its scripted demonstrator's episodes (env seeds 0 on), failures kept."""
     check_env_id(env_id)
     if is_fast(env_id):
@@ -86,15 +85,15 @@ def generate_demos(env_id: str = "PickCube-v1", num_demos: int = 100, num_procs:
     raw_dir = demo_dir(env_id) / "raw"
     if raw_dir.exists():
         shutil.rmtree(raw_dir)
-    name = f"demos_{num_demos}"
+    name, mode = f"demos_{num_demos}", task_control_mode(env_id)
     _run([sys.executable, "-m", "mani_skill.examples.motionplanning.panda.run", "-e", env_id, "-n", str(num_demos),
           "--only-count-success", "-b", "cpu", "--record-dir", str(raw_dir), "--traj-name", name,
           "--num-procs", str(num_procs)], "motion planning")
     raw = raw_dir / env_id / "motionplanning" / f"{name}.h5"
     _run([sys.executable, "-m", "mani_skill.trajectory.replay_trajectory", "--traj-path", str(raw),
-          "--use-first-env-state", "-c", DEFAULT_CONTROL_MODE, "-o", "state", "--save-traj", "-b", "physx_cpu",
+          "--use-first-env-state", "-c", mode, "-o", "state", "--save-traj", "-b", "physx_cpu",
           "--record-rewards", "--reward-mode", "normalized_dense", "--num-envs", str(num_procs)], "replay")
-    replayed = raw.with_name(f"{name}.state.{DEFAULT_CONTROL_MODE}.physx_cpu.h5")
+    replayed = raw.with_name(f"{name}.state.{mode}.physx_cpu.h5")
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.move(replayed.with_suffix(".json"), out.with_suffix(".json"))
     shutil.move(replayed, out)  # the .h5 last: its presence marks a finished cache

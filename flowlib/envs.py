@@ -33,34 +33,18 @@ import torch
 
 from .fast_envs import CONTROL_MODE as FAST_CONTROL_MODE
 from .fast_envs import FAST_TASKS, EnvSpec  # noqa: F401  (EnvSpec: every env's, re-exported)
-
-DEFAULT_CONTROL_MODE = "pd_ee_delta_pos"
-# ManiSkill's imitation baselines evaluate PickCube with 100 steps (the env registers 50).
-EVAL_EPISODE_STEPS = {"PickCube-v1": 100, "PushCube-v1": 100, "StackCube-v1": 200}
-
-# PickCube-v1's state observation, 42 dims (mani_skill 3.0.x, PickCubeEnv._get_obs_extra): qpos 9 (the two finger
-# joints last, m each), qvel 9, is_grasped 1, tcp_pose 7, goal_pos 3, obj_pose 7, tcp_to_obj_pos 3, obj_to_goal_pos 3
-PICKCUBE_OBS_DIM = 42
-PICKCUBE_FINGERS, PICKCUBE_GRASPED = slice(7, 9), 18
-PICKCUBE_TCP, PICKCUBE_GOAL, PICKCUBE_OBJ = slice(19, 22), slice(26, 29), slice(29, 32)  # positions
-PICKCUBE_TCP_TO_OBJ, PICKCUBE_OBJ_TO_GOAL = slice(36, 39), slice(39, 42)  # cube - gripper centre, goal - cube
-
-# The observation dim a reset fills from the episode before. PickCube's is_grasped is read off the contacts of the last
-# physics step, which a reset does not simulate again, so on physx_cpu an episode's first observation says "grasped"
-# when the env's previous episode ended holding the cube (149 of the 150 replayed demos start so). Every PickCube
-# episode starts with the gripper open above a cube resting on the table: the true value is 0, so it is cleared on
-# physx_cuda too (whether ManiSkill's GPU reset carries it over is unchecked: no GPU here).
-# {env_id: (state obs width, dim)}
-GRASPED_AT_RESET = {"PickCube-v1": (PICKCUBE_OBS_DIM, PICKCUBE_GRASPED)}
+from .tasks import task
 
 
 def clear_grasp_at_reset(env_id: str, obs):
-    """First observations ``obs [..., O]`` (torch or numpy) with the grasp flag a reset left from the previous
-    episode set to its true value, 0 (``GRASPED_AT_RESET``); in place, returned.  Tasks without such a flag, or
-    an observation of another width (not ManiSkill 3.0.x's state layout), are returned unchanged."""
-    width, dim = GRASPED_AT_RESET.get(env_id, (None, None))
-    if width is not None and obs.shape[-1] == width:
-        obs[..., dim] = 0
+    """First observations ``obs [..., O]`` (torch or numpy) with the contact flag a ``physx_cpu`` reset left from the
+    previous episode set to its true value, 0 (``flowlib.tasks``' ``stale_at_reset``: PickCube's ``is_grasped``,
+    whose reset does not simulate the contacts again); in place, returned.  Tasks without such a flag, or an
+    observation of another width (not ManiSkill 3.0.x's state layout), are returned unchanged.  Cleared on
+    ``physx_cuda`` too (whether ManiSkill's GPU reset carries it over is unchecked: no GPU here)."""
+    stale = task(env_id).stale_at_reset
+    if stale is not None and obs.shape[-1] == stale[0]:
+        obs[..., stale[1]] = 0
     return obs
 
 
@@ -77,9 +61,9 @@ def is_fast(env_id: str) -> bool:
 
 
 def control_mode(env_id: str) -> str:
-    """The control mode a task's demonstrations and policies use: ``pd_ee_delta_pos`` for ManiSkill's,
-    ``ee_delta_pos`` for the fast tasks."""
-    return FAST_CONTROL_MODE if is_fast(env_id) else DEFAULT_CONTROL_MODE
+    """The control mode a task's demonstrations and policies use: ``flowlib.tasks``' (``pd_ee_delta_pos`` unless the
+    task needs another), ``ee_delta_pos`` for the fast tasks."""
+    return FAST_CONTROL_MODE if is_fast(env_id) else task(env_id).control_mode
 
 
 def check_env_id(env_id: str) -> None:
@@ -166,7 +150,7 @@ class ManiSkillVecEnv:
     """``num_envs`` ManiSkill envs with a batched torch interface (see module docstring)."""
 
     def __init__(self, env_id: str = "PickCube-v1", num_envs: int = 1, obs_mode: str = "state",
-                 control_mode: str = DEFAULT_CONTROL_MODE, reward_mode: str = "normalized_dense",
+                 control_mode: str | None = None, reward_mode: str = "normalized_dense",
                  max_episode_steps: int | None = None, backend: str = "auto", render: bool = False,
                  fresh_scene: bool = False):
         check_env_id(env_id)
@@ -177,7 +161,8 @@ class ManiSkillVecEnv:
                              "envs in one scene, which ManiSkill cannot rebuild for some of them: use "
                              "backend='physx_cpu' for history-free episodes, or fresh_scene=False")
         self.num_envs = num_envs
-        self.max_episode_steps = max_episode_steps or EVAL_EPISODE_STEPS.get(env_id, 100)
+        self.max_episode_steps = max_episode_steps or task(env_id).episode_steps
+        control_mode = control_mode or task(env_id).control_mode
         self.device = torch.device("cuda" if self.backend == "physx_cuda" else "cpu")
         if self.backend == "physx_cuda":
             import gymnasium as gym

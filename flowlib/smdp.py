@@ -17,11 +17,13 @@ from typing import NamedTuple
 
 import torch
 
-from .envs import PICKCUBE_FINGERS, PICKCUBE_OBJ_TO_GOAL, PICKCUBE_OBS_DIM, PICKCUBE_TCP_TO_OBJ
+from .tasks import PICKCUBE_FINGERS, PICKCUBE_OBJ_TO_GOAL, PICKCUBE_OBS_DIM, PICKCUBE_TCP_TO_OBJ, TASKS
 
 
 REWARDS = ("sparse", "dense", "shaped")
-REACH_ENVS = ("PickCube-v1",)  # whose normalized dense reward is the reach term / 5 until the cube is grasped
+# the tasks whose reach / grasp-gap / place learning terms are written (flowlib.tasks); PickCube's normalized dense
+# reward is the reach term / 5 until the cube is grasped
+REACH_ENVS = tuple(env_id for env_id, t in TASKS.items() if t.shaped_terms)
 
 
 class Grasp(NamedTuple):

@@ -8,7 +8,8 @@ import torch
 
 from flowlib import bc
 from flowlib.data import ChunkDataset, Episode
-from flowlib.envs import PICKCUBE_GRASPED, PICKCUBE_OBJ_TO_GOAL, PICKCUBE_TCP_TO_OBJ, EnvSpec, check_env_id, make_env
+from flowlib.envs import EnvSpec, check_env_id, make_env
+from flowlib.tasks import PICKCUBE_GRASPED, PICKCUBE_OBJ_TO_GOAL, PICKCUBE_TCP_TO_OBJ
 from flowlib.unet import ShortCutVelocityUNet1D
 
 OBS_DIM, ACT_DIM = 42, 4  # PickCube-v1, state obs, pd_ee_delta_pos

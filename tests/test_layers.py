@@ -14,7 +14,7 @@ FLOWLIB = REPO / "flowlib"
 LAYERS = {
     "core": {"config", "runs", "progress", "guards", "metrics", "nets", "flows", "unet", "flow_sde", "toy2d", "tracking",
              "sysdeps"},
-    "world": {"fast_envs", "envs", "data", "smdp"},
+    "world": {"tasks", "fast_envs", "envs", "data", "smdp"},
     "policy": {"bc", "critic", "awsc"},
     "rl core": {"ppo", "buffers", "loop", "learners"},
     "methods": {"reinflow_agent", "reinflow", "steering", "latent", "latent_sac", "residual", "residual_step", "residual_td3",

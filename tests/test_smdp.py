@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from flowlib import envs, smdp, stage3
+from flowlib import smdp, stage3, tasks
 from flowlib.envs import make_env
 
-OBS_DIM, ACT_DIM = envs.PICKCUBE_OBS_DIM, 4  # PickCube-v1, state obs, pd_ee_delta_pos
+OBS_DIM, ACT_DIM = tasks.PICKCUBE_OBS_DIM, 4  # PickCube-v1, state obs, pd_ee_delta_pos
 
 
 @pytest.mark.parametrize("num_envs", [1, 2])
@@ -153,7 +153,7 @@ class Approach:
 
     def reset(self, seed=None):
         self.t = 0
-        return torch.zeros(1, envs.PICKCUBE_OBS_DIM)
+        return torch.zeros(1, tasks.PICKCUBE_OBS_DIM)
 
     def step(self, action):
         self.t += 1
@@ -161,10 +161,10 @@ class Approach:
         dense = 1.0 if success else 0.5 if grasped else self.reach(self.t) / 5
         if self.flags:
             self.task_flags = {"is_grasped": torch.tensor([grasped])}
-        obs = torch.zeros(1, envs.PICKCUBE_OBS_DIM)
-        obs[0, envs.PICKCUBE_TCP_TO_OBJ.start] = 0.1 / self.t
-        obs[0, envs.PICKCUBE_FINGERS] = self.gap(self.t) / 2
-        obs[0, envs.PICKCUBE_OBJ_TO_GOAL.start + 2] = self.to_goal(self.t)
+        obs = torch.zeros(1, tasks.PICKCUBE_OBS_DIM)
+        obs[0, tasks.PICKCUBE_TCP_TO_OBJ.start] = 0.1 / self.t
+        obs[0, tasks.PICKCUBE_FINGERS] = self.gap(self.t) / 2
+        obs[0, tasks.PICKCUBE_OBJ_TO_GOAL.start + 2] = self.to_goal(self.t)
         return obs, torch.tensor([dense]), torch.zeros(1, dtype=torch.bool), torch.zeros(1, dtype=torch.bool), \
             torch.tensor([success])
 
