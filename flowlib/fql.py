@@ -37,7 +37,7 @@ from .config import NonNegativeInt, PositiveFloat, PositiveInt
 from .data import ChunkDataset
 from .envs import is_fast
 from .guards import require_finite
-from .learners import ReplayLearner
+from .learners import ReplayLearner, twin_q_step
 from .nets import TwinQ, frozen, mlp
 from .runs import policy_checkpoint
 from .smdp import ChunkRunner
@@ -134,13 +134,7 @@ def fql_update(agent: FQLAgent, batch: dict[str, torch.Tensor], actor_opt, criti
         a_next = agent.executed(agent.chunk(o_next, torch.randn(shape, device=device)))
         y = b["reward"] + b["bootstrap"] * agent.q_target(o_next.flatten(1), a_next).mean(0)     # [B]
     q = agent.q(o.flatten(1), b["latent"].flatten(1))                                          # [2, B]
-    q_loss = (q - y).pow(2).mean(1).sum()
-    critic_opt.zero_grad(set_to_none=True)
-    q_loss.backward()
-    require_finite(nn.utils.clip_grad_norm_(agent.value_parameters(), cfg.max_grad_norm), "the twin Q's gradient norm",
-                   "an FQL step", "lower critic_lr, or check the rewards for NaN")
-    critic_opt.step()
-    stats = {"value_loss": q_loss.item() / 2, "q": q.mean().item(), "target": y.mean().item()}
+    stats = twin_q_step(q, y, critic_opt, agent.value_parameters(), cfg.max_grad_norm, "an FQL step")
     if train_policy:
         z = torch.randn(shape, device=device)
         x = agent.chunk(o, z)                                                                   # [B, H, A]

@@ -46,7 +46,7 @@ from .config import NonNegativeFloat, PositiveFloat
 from .flow_sde import gaussian_entropy
 from .guards import require_finite
 from .latent import LatentSteeringAgent
-from .learners import ReplayLearner
+from .learners import ReplayLearner, twin_q_step
 from .nets import TwinQ, frozen
 from .smdp import ChunkRunner
 
@@ -116,13 +116,7 @@ def sac_update(agent: LatentSACAgent, batch: dict[str, torch.Tensor], actor_opt,
         q_next = agent.q_target(o_next.flatten(1), w_next).min(0).values
         y = b["reward"] + b["bootstrap"] * q_next                                      # [B]
     q = agent.q(o.flatten(1), b["latent"].flatten(1))                                     # [2, B]
-    q_loss = (q - y).pow(2).mean(1).sum()
-    critic_opt.zero_grad(set_to_none=True)
-    q_loss.backward()
-    require_finite(nn.utils.clip_grad_norm_(agent.value_parameters(), cfg.max_grad_norm), "the twin Q's gradient norm",
-                   "a SAC step", "lower critic_lr, or check the rewards for NaN")
-    critic_opt.step()
-    stats = {"value_loss": q_loss.item() / 2, "q": q.mean().item(), "target": y.mean().item()}
+    stats = twin_q_step(q, y, critic_opt, agent.value_parameters(), cfg.max_grad_norm, "a SAC step")
     if train_policy:
         w, mu, sigma = agent.rsample(o, torch.randn_like(b["latent"]))                  # [B, D], [B, H, A] x2
         with frozen(agent.q):  # dQ/dw only: the critics' weight gradients would be dropped

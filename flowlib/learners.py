@@ -22,11 +22,28 @@ from typing import Callable
 
 import numpy as np
 import torch
+import torch.nn as nn
 
 from .buffers import ReplayBuffer, RolloutBuffer
 from .flow_sde import LOG_2PI
+from .guards import require_finite
 from .loop import on_all_cores
 from .ppo import RunningRewardScaler, explained_variance, ppo_update
+
+
+def twin_q_step(q: torch.Tensor, y: torch.Tensor, critic_opt, params, max_grad_norm: float,
+                where: str) -> dict[str, float]:
+    """One gradient step of twin critics: ``q [2, B]`` (``Q_1, Q_2`` of the batch, with gradients) regressed on the
+    target ``y [B]``, ``L = sum_j mean_B (Q_j - y)^2`` (clipped double-Q's critic loss, Fujimoto et al. 2018, Eq. 10
+    per net), its gradient over ``params`` clipped to ``max_grad_norm`` (a NaN / inf norm stops the run, naming
+    ``where``).  Returns the log row's ``value_loss`` (per net), ``q`` and ``target``.  SAC, TD3 and FQL share it."""
+    q_loss = (q - y).pow(2).mean(1).sum()
+    critic_opt.zero_grad(set_to_none=True)
+    q_loss.backward()
+    require_finite(nn.utils.clip_grad_norm_(params, max_grad_norm), "the twin Q's gradient norm", where,
+                   "lower critic_lr, or check the rewards for NaN")
+    critic_opt.step()
+    return {"value_loss": q_loss.item() / 2, "q": q.mean().item(), "target": y.mean().item()}
 
 
 def decisions_per_iteration(cfg, act_horizon: int) -> int:

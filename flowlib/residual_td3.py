@@ -20,7 +20,7 @@ import torch.nn as nn
 from .buffers import ReplayBuffer
 from .config import NonNegativeFloat, NonNegativeInt, PositiveInt
 from .guards import require_finite
-from .learners import ReplayLearner
+from .learners import ReplayLearner, twin_q_step
 from .nets import frozen
 from .residual_step import StepCollector, StepResidualAgent
 
@@ -69,13 +69,8 @@ def td3_update(agent: StepResidualAgent, batch: dict[str, torch.Tensor], actor_o
         r_next = (agent.residual(s_next, target=True) + eps).clamp(-agent.residual_bound, agent.residual_bound)
         y = b["reward"] + b["bootstrap"] * agent.critic(s_next, r_next, target=True).min(0).values  # [B]
     q = agent.critic(s, b["latent"])                                                          # [2, B]
-    q_loss = (q - y).pow(2).mean(1).sum()
-    critic_opt.zero_grad(set_to_none=True)
-    q_loss.backward()
-    require_finite(nn.utils.clip_grad_norm_(critic_opt.param_groups[0]["params"], cfg.max_grad_norm),  # = value_parameters()
-                   "the twin Q's gradient norm", "a TD3 step", "lower critic_lr, or check the rewards for NaN")
-    critic_opt.step()
-    stats = {"value_loss": q_loss.item() / 2, "q": q.mean().item(), "target": y.mean().item()}
+    stats = twin_q_step(q, y, critic_opt, critic_opt.param_groups[0]["params"],  # = value_parameters()
+                        cfg.max_grad_norm, "a TD3 step")
     if train_policy:
         loss, mu = actor_loss(agent, s, cfg.residual_l2)
         actor_opt.zero_grad(set_to_none=True)
