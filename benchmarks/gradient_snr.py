@@ -5,7 +5,7 @@ rollouts of ``--decisions`` chunk decisions in each of ``--num-envs`` envs (ever
 envs on fresh seeds), computes GAE advantages with the run's settings, normalises them over the whole
 pool, and takes one policy-gradient estimate per (rollout, env) unit (``reinflow.policy_gradient``: the
 gradient of the first PPO minibatch, where every ratio is 1).  The units are independent, so
-``ppo.gram_signal`` splits the gradient into signal ``|mu|^2`` and per-unit noise, for the velocity net
+``grad_signal.gram_signal`` splits the gradient into signal ``|mu|^2`` and per-unit noise, for the velocity net
 (what moves the deterministic policy), each of its modules, and the noise net.  It prints the expected cosine
 between the gradients of two independent batches of 64 / 256 / 1024 / 4096 / 16384 decisions and the
 batch at which it reaches 1/2; a run's PPO steps are minibatches of 64-256 decisions.  Where the signal is
@@ -41,7 +41,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from flowlib import loop, ppo, reinflow, residual_step, residual_td3, stage3
+from flowlib import grad_signal, loop, ppo, reinflow, residual_step, residual_td3, stage3
 from flowlib.envs import make_env
 from flowlib.flow_sde import LEARNED_NOISE
 from flowlib.runs import run_dir, save_json
@@ -157,10 +157,10 @@ def main(argv=None) -> None:
         if not gram.diagonal().any():  # e.g. the noise net under flow_sde, whose noise is a fixed schedule
             print(f"{name:>17} {counts[name]:>8}  not in the log-prob (zero gradient)")
             continue
-        s = ppo.gram_signal(gram)  # not detected: the cosines are upper bounds, the decisions a lower bound
+        s = grad_signal.gram_signal(gram)  # not detected: the cosines are upper bounds, the decisions a lower bound
         s["params"] = counts[name]
         s["decisions_for_half"] = s["noise"] / s["signal_bound"] * C
-        s["cosine"] = {b: ppo.expected_cosine(s["signal_bound"], s["noise"], b / C) for b in BATCHES}
+        s["cosine"] = {b: grad_signal.expected_cosine(s["signal_bound"], s["noise"], b / C) for b in BATCHES}
         result[name] = s
         mark = "" if s["detected"] else "<"
         print(f"{name:>17} {counts[name]:>8} {s['signal']:>14.3e} {s['signal_se']:>9.1e} {s['noise']:>12.3e} "

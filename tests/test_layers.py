@@ -12,10 +12,10 @@ FLOWLIB = REPO / "flowlib"
 
 # bottom to top; a module may import from its own layer and the ones before it
 LAYERS = {
-    "core": {"config", "runs", "progress", "guards", "metrics", "nets", "flows", "unet", "flow_sde", "toy2d", "tracking",
+    "core": {"grad_signal", "config", "runs", "progress", "guards", "metrics", "nets", "flows", "unet", "flow_sde", "toy2d", "tracking",
              "sysdeps"},
     "world": {"tasks", "fast_envs", "envs", "data", "smdp"},
-    "policy": {"bc", "critic", "awsc"},
+    "policy": {"policy_eval", "bc", "critic", "awsc"},
     "rl core": {"ppo", "buffers", "loop", "learners"},
     "methods": {"reinflow_agent", "reinflow", "steering", "latent", "latent_sac", "residual", "residual_step", "residual_td3",
                 "gaussian", "rfc", "fql"},

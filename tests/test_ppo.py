@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from flowlib import ppo, reinflow, stage3
+from flowlib import grad_signal, ppo, reinflow, stage3
 
 from test_flow_sde import agent_for
 
@@ -249,7 +249,7 @@ def test_gradient_signal_recovers_signal_noise_and_the_batch_for_cosine_one_half
     mu = torch.randn(P, generator=g)
     mu = mu / mu.norm()                                                       # |mu|^2 = 1
     draw = lambda rows: mu + (s / P) ** 0.5 * torch.randn(rows, P, generator=g)  # noise trace s per row
-    est = ppo.gradient_signal(draw(n))
+    est = grad_signal.gradient_signal(draw(n))
     assert abs(est["signal"] - 1.0) < 3 * est["signal_se"] and est["signal_se"] < 0.2
     assert abs(est["noise"] - s) < 0.05 * s
     assert abs(est["rows_for_half"] - s) < 0.3 * s
@@ -257,18 +257,18 @@ def test_gradient_signal_recovers_signal_noise_and_the_batch_for_cosine_one_half
     # the predicted cosine between two independent means of m rows against the measured one
     m = 20
     cos = [torch.cosine_similarity(draw(m).mean(0), draw(m).mean(0), 0).item() for _ in range(300)]
-    assert abs(sum(cos) / len(cos) - ppo.expected_cosine(1.0, s, m)) < 0.03
-    assert ppo.expected_cosine(1.0, s, m) == 0.5
+    assert abs(sum(cos) / len(cos) - grad_signal.expected_cosine(1.0, s, m)) < 0.03
+    assert grad_signal.expected_cosine(1.0, s, m) == 0.5
     # Gram matrices of disjoint parameter groups add up to the whole's
     rows = draw(n)
-    halves = ppo.gram_signal(rows[:, :P // 2] @ rows[:, :P // 2].T + rows[:, P // 2:] @ rows[:, P // 2:].T)
-    assert halves["signal"] == pytest.approx(ppo.gradient_signal(rows)["signal"], rel=1e-6)
+    halves = grad_signal.gram_signal(rows[:, :P // 2] @ rows[:, :P // 2].T + rows[:, P // 2:] @ rows[:, P // 2:].T)
+    assert halves["signal"] == pytest.approx(grad_signal.gradient_signal(rows)["signal"], rel=1e-6)
     # no signal: the estimate is within noise of 0
-    noise_only = ppo.gradient_signal(draw(n) - mu)
+    noise_only = grad_signal.gradient_signal(draw(n) - mu)
     assert abs(noise_only["signal"]) < 3 * noise_only["signal_se"]
     assert not noise_only["detected"] and noise_only["signal_bound"] >= 2 * noise_only["signal_se"] > 0  # covers 0
     with pytest.raises(ValueError, match="n >= 3"):
-        ppo.gradient_signal(torch.zeros(2, P))
+        grad_signal.gradient_signal(torch.zeros(2, P))
 
 
 @pytest.mark.parametrize("ratio_mode, hybrid", [("joint", False), ("per_step", True)])
