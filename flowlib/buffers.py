@@ -4,7 +4,8 @@
 and value targets with the estimators of ``flowlib.ppo`` (GAE, Monte-Carlo, n-step, GRPO, branch).
 ``ReplayBuffer`` is a ring of transitions for the off-policy learners (SAC over ``x_0``, TD3 on a per-step residual).
 Neither knows which stage-3 method filled it: a decision's "chain" is whatever the method scores (a denoising chain
-``[K+1, H, A]``, or a one-row residual ``[1, A]``).
+``[K+1, H, A]``; a steer's one draw and its chunk ``[2, H, A]``, ``flowlib.steering``; or a per-step residual
+``[1, A]``), with one stochastic flag and step log-prob per scored step (``K``, or 1).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ class RolloutBuffer:
     """Chunk-level transitions of one PPO iteration, time-major ``[T, N, ...]``."""
 
     obs: torch.Tensor             # [T, N, To, O]   raw observation windows
-    chains: torch.Tensor          # [T, N, K+1, H, A]
+    chains: torch.Tensor          # [T, N, K+1, H, A]  (a steer's decision: [T, N, 2, H, A], its K is 1)
     stochastic: torch.Tensor      # [T, N, K]  bool: which denoising steps carried noise
     step_log_probs: torch.Tensor  # [T, N, K]
     log_probs: torch.Tensor       # [T, N]    joint

@@ -308,7 +308,8 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
                generator: torch.Generator | None = None, regulariser=None) -> dict[str, float]:
     """Epochs of PPO minibatches over a flat batch of chain decisions.
 
-    ``batch``: ``obs``, ``chains [n, K+1, H, A]``, ``stochastic [n, K]``, ``log_probs [n]`` (joint) and
+    ``batch``: ``obs``, ``chains [n, K+1, H, A]`` (or whatever decision the agent scores, ``flowlib.buffers``),
+    ``stochastic [n, K]``, ``log_probs [n]`` (joint) and
     ``step_log_probs [n, K]`` (at sampling), ``values``, ``advantages``, ``returns`` and optionally
     ``weights [n]`` (0 drops a row).
     ``agent`` provides ``value(obs)``, ``step_log_probs(obs, chains, stochastic) -> ([n, K], entropy [n])``,

@@ -13,7 +13,7 @@ Each is *composed* of
 
 A chunk steer's decision is one Gaussian draw, stored as PPO's rollouts store every decision (the layout of
 ``flowlib.gaussian``): ``decision [B, 2, H, A]``, row 0 the draw (``x_0``, or ``r`` in the executed rows), row 1
-the chunk that runs; its ``[B, 1]`` stochastic mask and step log-prob (``ONE_DRAW``).
+the chunk that runs; its ``[B, 1]`` stochastic mask and step log-prob.
 """
 from __future__ import annotations
 
