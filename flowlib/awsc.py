@@ -9,7 +9,10 @@ Recipe (notebook 02):
 2. A chunk-level critic on the SMDP transitions of that data (``flowlib.critic``: IQL by default,
    Monte Carlo for comparison), trained on a split of the episodes; held-out episodes measure it.
 3. AWR weights ``w = min(exp(beta A), w_max)`` per (observation window, action chunk) and the
-   stage-1 policy fine-tuned with the weighted ShortCut loss (``flowlib.bc.train`` with ``weights``).
+   stage-1 policy fine-tuned with the weighted ShortCut loss (``flowlib.bc.train`` with ``weights``;
+   ``train_weighted``: one run per training seed).
+4. The same data through two other offline methods, as baselines: RFC's masks as 0/1 weights on the same
+   loss (``flowlib.critic.rfc_mask``, ``mask_weights``) and FQL's offline phase (``flowlib.fql.train_offline``).
 
 The weight multiplies the whole per-sample ShortCut loss: the flow-matching term at ``d_min`` and
 the self-consistency term alike.  The weighted objective is then the ShortCut loss under the
@@ -23,6 +26,7 @@ critic added; ``load_from_aw_shortcut_flow`` returns both for stage 3.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,11 +35,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import bc
+from . import bc, config
 from .config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields, require
-from .critic import ChunkCritic, ChunkTransitions, critic_from_state
+from .critic import RFC_MASKS, ChunkCritic, ChunkTransitions, critic_from_state
 from .data import Episode, demo_dir, load_demos, save_episodes
 from .runs import policy_checkpoint
+from .tracking import Tracker
 
 
 ROLLOUT_SEED = 1_000_000  # env seeds of the stage-1 rollouts start here (demos from 0, evaluations 10_000+)
@@ -69,6 +74,12 @@ class AWShortCutConfig:
     beta: PositiveFloat = 5.0  # inverse temperature of the weights exp(beta A)
     max_weight: PositiveFloat = 20.0  # weights clipped at this value
     weighting: str = "exp"              # "exp" (clipped) or "softmax" (per batch of the whole dataset)
+    # the same data, other offline methods: RFC's masks (filtered BC) and FQL (a one-step policy against Q)
+    rfc_masks: list[str] = field(default_factory=lambda: list(RFC_MASKS))  # one RFC run per mask and training seed ([]: none)
+    rfc_topk: Fraction = 0.25  # advantage_topk: the share of windows kept
+    fql_offline_steps: NonNegativeInt = 200  # FQL's offline updates on the same data, per training seed (0: no FQL row)
+    fql_alpha: PositiveFloat = 10.0  # FQL's distillation weight against the normalised -Q
+    fql_hidden_dims: list[PositiveInt] = field(default_factory=lambda: [256, 256, 256])  # FQL's one-step policy MLP
     # AW-ShortCut training (one run per training seed)
     train_seeds: list[NonNegativeInt] = field(default_factory=lambda: [0])  # one AW-ShortCut training run per seed
     train_steps: PositiveInt = 200
@@ -104,6 +115,8 @@ class AWShortCutConfig:
             (self.holdout_fraction < 1, f"holdout_fraction must be in [0, 1), got {self.holdout_fraction}"),
             (len(self.train_seeds) > 0, "train_seeds must list at least one seed"),
             (self.rollout_episodes <= 100_000, "rollout_episodes must be <= 100000 (seed blocks of 100000)"),
+            (set(self.rfc_masks) <= set(RFC_MASKS), f"rfc_masks must be a list of {RFC_MASKS}, got {self.rfc_masks}"),
+            (self.rfc_topk > 0, f"rfc_topk must be in (0, 1], got {self.rfc_topk}"),
         ])
 
 
@@ -149,6 +162,25 @@ def collect_rollouts(policy: bc.FlowPolicy, env, cfg: AWShortCutConfig, stage1_p
         rows.append({"noise_std": std, "episodes": len(eps), "success_once": float(np.mean([e.success.any() for e in eps])),
                      "file": path.name})
     return episodes, rows
+
+
+def train_weighted(cfg: AWShortCutConfig, dataset, folder: Path, env, stage1_path: Path, weights: torch.Tensor,
+                   extra: dict[str, Any], checkpoint_format: str = bc.AW_CHECKPOINT_FORMAT,
+                   name: str = "") -> tuple[dict[int, bc.FlowPolicy], dict[int, list[dict]]]:
+    """The weighted ShortCut loss (``bc.train`` with ``weights``: AW-ShortCut's ``exp(beta A)`` or an RFC mask's)
+    from the stage-1 checkpoint, once per training seed, under ``folder/seed_<s>/`` (each resumes from its
+    ``last.pt``).  Returns the policies and the logged rows, by seed."""
+    policies, rows = {}, {}
+    for s in cfg.train_seeds:
+        seed_cfg = dataclasses.replace(cfg, seed=s)
+        seed_path = folder / f"seed_{s}"
+        tracker = Tracker(seed_path, config.to_dict(seed_cfg), wandb_mode=cfg.wandb_mode, project="flowlib-02",
+                          name="-".join(filter(None, [cfg.run_name, name, f"seed{s}"])), resume=cfg.resume)
+        policies[s], _ = bc.train(seed_cfg, dataset, seed_path, tracker, env=env, policy=bc.load_policy(stage1_path),
+                                  weights=weights, extra=extra, checkpoint_format=checkpoint_format)
+        tracker.finish()
+        rows[s] = tracker.rows
+    return policies, rows
 
 
 @torch.no_grad()

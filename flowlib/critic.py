@@ -24,11 +24,14 @@ Both take the observation window ``[B, To, O]`` (and, for ``Q``, the executed ch
 ``[B, Ta, A]``) in raw units and normalise them with the policy's normalisers.
 
 Weights (AWR, Peng et al. 2019, Eq. 7): ``w = min(exp(beta * A), w_max)``, or batch-softmax
-``w = B * softmax(beta * A)``; ``effective_sample_size`` tells whether ``beta`` is sane.
+``w = B * softmax(beta * A)``; ``effective_sample_size`` tells whether ``beta`` is sane.  RFC's masks (the RLinf
+notes; ``rfc_mask``: the episode succeeded, ``A > 0``, the top share by ``A``) pick samples instead of weighting
+them; stage 3's RFC reflows on them online (``flowlib.rfc``), notebook 02 offline (``mask_weights``).
 """
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,6 +155,37 @@ def effective_sample_size(w: torch.Tensor) -> float:
     """Kish's effective sample size ``(sum w)^2 / sum w^2`` as a fraction of ``len(w)`` (1 = uniform)."""
     w = w.double()
     return float(w.sum() ** 2 / (w.pow(2).sum() * len(w)))
+
+
+RFC_MASKS = ("success_only", "advantage_positive", "advantage_topk")
+
+
+def rfc_mask(kind: str, advantages: torch.Tensor, success: torch.Tensor, weights: torch.Tensor,
+             topk: float = 0.25) -> torch.Tensor:
+    """The decisions RFC reflows on, ``[n]`` bool, among the live ones (``weights > 0``): see the module docstring.
+    ``advantage_topk`` keeps ``ceil(topk * live)`` rows and every row tied with the last of them."""
+    live = weights > 0
+    if kind == "success_only":
+        return success.bool() & live
+    if kind == "advantage_positive":
+        return (advantages > 0) & live
+    if kind == "advantage_topk":
+        n_live = int(live.sum())
+        if n_live == 0:
+            return live
+        k = max(1, math.ceil(topk * n_live))
+        cut = advantages[live].topk(k).values[-1]
+        return (advantages >= cut) & live
+    raise ValueError(f"rfc_mask must be one of {RFC_MASKS}, got {kind!r}")
+
+
+def mask_weights(mask: torch.Tensor) -> torch.Tensor:
+    """A mask (``rfc_mask``) as per-sample weights ``m / mean(m)``: ``bc.train``'s weighted loss ``mean(w l)`` is then,
+    in expectation over its uniform batches, the mean loss over the kept samples alone (filtered BC, RFC offline)."""
+    if not mask.any():
+        raise ValueError("the mask keeps no sample: lower rfc_topk, or add data in which some episodes succeed")
+    m = mask.float()
+    return m / m.mean()
 
 
 class ChunkCritic(nn.Module):

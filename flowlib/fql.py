@@ -201,21 +201,42 @@ def start_demo_decisions(agent: FQLAgent, cfg, start: Path) -> dict[str, torch.T
     return demo_decisions(agent, bc.training_demos(start), cfg.gamma, cfg.reward_scale)
 
 
+@dataclass
+class FQLSettings:
+    """What ``fql_update`` and ``optimizers`` read, for an FQL phase outside stage 3 (notebook 02's offline row);
+    ``Stage3Config`` carries the same fields."""
+
+    fql_alpha: float
+    actor_lr: float
+    critic_lr: float
+    target_tau: float
+    max_grad_norm: float = 1.0
+
+
+def train_offline(agent: FQLAgent, decisions: dict[str, torch.Tensor], steps: int, batch_size: int, cfg,
+                  seed: int) -> dict[str, float]:
+    """``steps`` updates (``fql_update``) on fixed chunk decisions (``demo_decisions``' fields), uniform batches of
+    ``batch_size`` drawn with ``seed``; ``cfg`` is a ``Stage3Config`` or ``FQLSettings``.  Marks the agent offline-done
+    and returns the last step's statistics."""
+    buffer = replay_buffer(agent, len(decisions["reward"]))
+    buffer.add(**decisions)
+    actor_opt, critic_opt = optimizers(agent, cfg)
+    gen, stats = torch.Generator().manual_seed(seed), {}
+    torch.manual_seed(seed)
+    for _ in progress.bar(steps, "FQL offline", unit="step", iterable=range(steps)):
+        stats = fql_update(agent, buffer.sample(batch_size, gen), actor_opt, critic_opt, cfg)
+    agent.offline_done.fill_(True)
+    return stats
+
+
 def fql_offline(agent: FQLAgent, cfg, start: Path) -> None:
-    """FQL's offline phase: ``fql_offline_steps`` updates (``fql_update``) on the start's demos as chunk decisions,
-    batches of ``replay_batch_size``, seeded by ``cfg.seed``; marks the agent so it runs once."""
+    """FQL's offline phase in stage 3: ``fql_offline_steps`` updates (``train_offline``) on the start's demos as chunk
+    decisions, batches of ``replay_batch_size``, seeded by ``cfg.seed``; runs once (the agent is marked)."""
     if cfg.fql_offline_steps == 0 or bool(agent.offline_done):
         return
-    demos = start_demo_decisions(agent, cfg, start)
-    buffer = replay_buffer(agent, cfg.replay_size)
-    buffer.add(**demos)
-    actor_opt, critic_opt = optimizers(agent, cfg)
-    gen, t0, stats = torch.Generator().manual_seed(cfg.seed), time.time(), {}
-    torch.manual_seed(cfg.seed)
-    for _ in progress.bar(cfg.fql_offline_steps, "FQL offline", unit="step", iterable=range(cfg.fql_offline_steps)):
-        stats = fql_update(agent, buffer.sample(cfg.replay_batch_size, gen), actor_opt, critic_opt, cfg)
-    agent.offline_done.fill_(True)
-    print(f"FQL offline: {cfg.fql_offline_steps} steps on {len(buffer)} demo decisions in {time.time() - t0:.0f} s; "
+    demos, t0 = start_demo_decisions(agent, cfg, start), time.time()
+    stats = train_offline(agent, demos, cfg.fql_offline_steps, cfg.replay_batch_size, cfg, cfg.seed)
+    print(f"FQL offline: {cfg.fql_offline_steps} steps on {len(demos['reward'])} demo decisions in {time.time() - t0:.0f} s; "
           f"last: q {stats['q']:.3f}, distill {stats['distill']:.4f}")
 
 

@@ -19,21 +19,18 @@ decision, the flow only on the kept ones; the noise net is not trained by it (it
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from .config import Fraction, PositiveInt
+from .critic import RFC_MASKS, rfc_mask  # the masks live beside AW-ShortCut's weights (notebook 02 uses both)
 from .flows import ShortCut
 from .guards import require_finite
 from .learners import PPOLearner
 from .ppo import explained_variance, ppo_update
 from .reinflow import chunk_rollout
-
-RFC_MASKS = ("success_only", "advantage_positive", "advantage_topk")
-
 
 @dataclass
 class RFCConfig:
@@ -57,25 +54,6 @@ def episode_success(rewards: torch.Tensor, terminal: torch.Tensor, ends: torch.T
         nxt = (terminal[t].bool() & (rewards[t] > 0)) | (~ends[t].bool() & nxt)
         out[t] = nxt
     return out
-
-
-def rfc_mask(kind: str, advantages: torch.Tensor, success: torch.Tensor, weights: torch.Tensor,
-             topk: float = 0.25) -> torch.Tensor:
-    """The decisions RFC reflows on, ``[n]`` bool, among the live ones (``weights > 0``): see the module docstring.
-    ``advantage_topk`` keeps ``ceil(topk * live)`` rows and every row tied with the last of them."""
-    live = weights > 0
-    if kind == "success_only":
-        return success.bool() & live
-    if kind == "advantage_positive":
-        return (advantages > 0) & live
-    if kind == "advantage_topk":
-        n_live = int(live.sum())
-        if n_live == 0:
-            return live
-        k = max(1, math.ceil(topk * n_live))
-        cut = advantages[live].topk(k).values[-1]
-        return (advantages >= cut) & live
-    raise ValueError(f"rfc_mask must be one of {RFC_MASKS}, got {kind!r}")
 
 
 class RFCLearner(PPOLearner):

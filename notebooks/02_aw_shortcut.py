@@ -15,7 +15,7 @@
 # ---
 
 # %% [markdown]
-# # 02 · Stage 2: AW-ShortCut Flow, offline RL by advantage-weighted BC
+# # 02 · Stage 2: offline RL from demos and rollouts, AW-ShortCut against RFC's masks and FQL
 #
 # Stage 1 cloned the demonstrations. Stage 2 improves the policy **from data alone**: it re-trains
 # the same ShortCut flow with each (observation, action chunk) weighted by how much better that chunk
@@ -45,6 +45,11 @@
 # nothing to rank. We add rollouts of the stage-1 policy (deterministic and with exploration noise,
 # successes and failures) recorded in the simulator. Every episode stops at its first success,
 # which is terminal (the sparse reward is 1 there, 0 elsewhere).
+#
+# **The same data, two other answers.** AW-ShortCut is one way to improve a policy from fixed data. The notebook
+# runs two more on the very same episodes and scores all of them on the same held-out seeds: RFC's masks (keep
+# some windows, drop the rest, the same loss) and FQL's offline phase (a one-step policy pushed up a Q-function,
+# held near the flow). Stage 3 takes up where this stops: the same methods online, with fresh rollouts.
 
 # %%
 import dataclasses
@@ -55,10 +60,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from flowlib import awsc, bc, config, critic as critics, runs
+from flowlib import awsc, bc, config, critic as critics, fql, runs
 from flowlib.data import ChunkDataset, check_held_out, generate_demos, load_demos
 from flowlib.envs import is_fast, make_env
-from flowlib.tracking import Tracker, start_run
+from flowlib.tracking import start_run
 
 # %% tags=["parameters"]
 # Defaults: the small CPU run (minutes), starting from notebook 01's default checkpoint.
@@ -84,6 +89,11 @@ holdout_fraction: float = 0.25  # share of episodes held out to score the critic
 beta: float = 5.0  # inverse temperature of the weights exp(beta A)
 max_weight: float = 20.0  # weights clipped at this value
 weighting: str = "exp"  # "exp" (clipped) or "softmax" (per batch of the whole dataset)
+rfc_masks: list[str] = ["success_only", "advantage_positive", "advantage_topk"]  # one RFC run per mask and training seed ([]: none)
+rfc_topk: float = 0.25  # advantage_topk: the share of windows kept
+fql_offline_steps: int = 200  # FQL's offline updates on the same data, per training seed (0: no FQL row)
+fql_alpha: float = 10.0  # FQL's distillation weight against the normalised -Q
+fql_hidden_dims: list[int] = [256, 256, 256]  # FQL's one-step policy MLP
 train_seeds: list[int] = [0]  # one AW-ShortCut training run per seed
 train_steps: int = 200  # gradient steps
 batch_size: int = 128  # samples per gradient step
@@ -233,17 +243,10 @@ print(f"effective sample size in (0, 1]: {0 < ess <= 1}")
 
 # %%
 t0 = time.time()
-stage2 = {}
-for s in cfg.train_seeds:
-    seed_cfg = dataclasses.replace(cfg, seed=s)
-    seed_path = run_path / f"seed_{s}"
-    seed_tracker = Tracker(seed_path, config.to_dict(seed_cfg), wandb_mode=cfg.wandb_mode, project="flowlib-02",
-                           name=f"{cfg.run_name}-seed{s}", resume=cfg.resume)
-    stage2[s], _ = bc.train(seed_cfg, dataset, seed_path, seed_tracker, env=env, policy=bc.load_policy(stage1_path),
-                            weights=weights, extra={"critic": critics.critic_state(critic), "stage1_checkpoint": str(stage1_path)},
-                            checkpoint_format=bc.AW_CHECKPOINT_FORMAT)
-    seed_tracker.finish()
-    history = pd.DataFrame(seed_tracker.rows)
+stage2, aw_rows = awsc.train_weighted(cfg, dataset, run_path, env, stage1_path, weights,
+                                      {"critic": critics.critic_state(critic), "stage1_checkpoint": str(stage1_path)})
+for s, rows in aw_rows.items():
+    history = pd.DataFrame(rows)
     plt.plot(history["step"], history["loss"], label=f"seed {s}")
 plt.yscale("log")
 plt.xlabel("step")
@@ -255,27 +258,99 @@ train_time = time.time() - t0
 print(f"{len(cfg.train_seeds)} seed(s) x {cfg.train_steps} steps in {train_time:.0f}s")
 
 # %% [markdown]
+# ## The same data, other offline methods: RFC's masks and FQL
+# **RFC's masks, offline.** The RLinf notes' reflow fine-tuning trains the flow again on its own chunks, keeping
+# only those a mask picks. Here the chunks are this notebook's fixed data rather than fresh rollouts (stage 3's
+# `learner = "rfc"` is the online form), so RFC becomes *filtered* behaviour cloning: the ShortCut loss of
+# AW-ShortCut with a 0/1 weight in place of $\exp(\beta A)$, rescaled to mean 1, $w = m / \bar m$
+# (`critic.rfc_mask`, `critic.mask_weights`). `success_only` keeps the windows of episodes that succeeded (every
+# demo and the successful rollouts), `advantage_positive` the windows with $A > 0$ under the critic above,
+# `advantage_topk` the top `rfc_topk` share by $A$. A mask ignores how large an advantage is; AW-ShortCut ignores
+# nothing but shrinks every difference through $\beta$.
+#
+# **FQL offline** (Park, Li & Levine 2025, Eq. 6-7; `flowlib.fql`). The flow $\mu_\theta(s, z)$ (its ODE from
+# the noise $z$) stays frozen; a one-step policy $\mu_\omega(s, z)$, an MLP, is distilled from it while being
+# pushed up its own twin $Q$ of chunk decisions, fitted on the same episodes with the sparse reward:
+# $$L_\pi(\omega) = \mathbb E_{s,\, z \sim \mathcal N(0, I)}\Big[-\frac{Q(s, \mu_\omega(s, z))}{\overline{|Q|}}
+#   + \alpha\, \|\mu_\omega(s, z) - \mu_\theta(s, z)\|^2\Big].$$
+# Unlike the weighted losses, it asks the critic about actions that are not in the data ($\mu_\omega$'s own), and
+# $\alpha$ is all that keeps it near them. It is the offline half of stage 3's `learner = "fql"`.
+
+# %%
+window_success = torch.as_tensor(episode_success)
+masks = {kind: critics.rfc_mask(kind, adv, window_success, torch.ones_like(adv), cfg.rfc_topk) for kind in cfg.rfc_masks}
+method_weights = {"AW-ShortCut": weights} | {f"RFC {kind}": critics.mask_weights(m) for kind, m in masks.items()}
+# where each method puts the data's mass: the share of the loss's total weight on each source
+uniform = torch.ones_like(adv)
+mass = pd.DataFrame({name: pd.Series(w.numpy()).groupby(episode_source).sum() / w.sum().item()
+                     for name, w in {"BC (uniform)": uniform, **method_weights}.items()})
+fig, ax = plt.subplots(figsize=(6, 2.8))
+mass.T.plot.barh(stacked=True, ax=ax)
+ax.set_xlabel("share of the loss's weight")
+ax.set_ylabel("method")
+ax.legend(loc="center left", bbox_to_anchor=(1, 0.5), fontsize=8)
+runs.save_figure(fig, run_path, "weight_by_source")
+plt.show()
+tracker.log({f"reflow_mask_ratio/{kind}": m.float().mean().item() for kind, m in masks.items()}, 0)
+pd.DataFrame({"reflow_mask_ratio": {kind: m.float().mean().item() for kind, m in masks.items()}}).round(3)
+
+# %%
+t0 = time.time()
+rfc_policies = {}
+for kind in cfg.rfc_masks:
+    rfc_policies[kind], _ = awsc.train_weighted(cfg, dataset, run_path / f"rfc_{kind}", env, stage1_path,
+                                                method_weights[f"RFC {kind}"],
+                                                {"rfc_mask": kind, "stage1_checkpoint": str(stage1_path)},
+                                                checkpoint_format=bc.CHECKPOINT_FORMAT, name=f"rfc_{kind}")
+print(f"RFC: {len(cfg.rfc_masks)} mask(s) x {len(cfg.train_seeds)} seed(s) in {time.time() - t0:.0f}s")
+
+# %%
+t0 = time.time()
+fql_agents, fql_settings = {}, fql.FQLSettings(cfg.fql_alpha, actor_lr=cfg.lr, critic_lr=cfg.critic_lr,
+                                               target_tau=cfg.target_polyak)
+for s in cfg.train_seeds if cfg.fql_offline_steps else []:
+    torch.manual_seed(s)
+    agent = fql.FQLAgent(bc.load_policy(stage1_path), cfg.select_inference_steps, tuple(cfg.fql_hidden_dims),
+                         tuple(cfg.critic_hidden_dims))
+    path = run_path / "fql" / f"seed_{s}" / "last.pt"
+    if cfg.resume and path.exists():
+        agent.load_state_dict(runs.load_torch(path, "FQL's offline agent")["agent"])
+    else:
+        stats = fql.train_offline(agent, fql.demo_decisions(agent, episodes, cfg.gamma), cfg.fql_offline_steps,
+                                  cfg.critic_batch_size, fql_settings, s)
+        runs.save_torch({"agent": agent.state_dict(), "settings": dataclasses.asdict(fql_settings),
+                         "steps": cfg.fql_offline_steps, "stats": stats, "stage1_checkpoint": str(stage1_path)}, path)
+    fql_agents[s] = agent.eval()
+print(f"FQL offline: {len(fql_agents)} seed(s) x {cfg.fql_offline_steps} steps in {time.time() - t0:.0f}s")
+
+# %% [markdown]
 # ## Stage 2 against stage 1, on the same evaluation seeds
 # Env seeds `eval_seed`, `eval_seed + 1`, ...: held out from every training episode (demos start at
 # seed 0, stage-1 rollouts at 1 000 000; the check after loading the data refuses an overlap).
 
 # %%
+methods = {"AW-ShortCut": stage2} | {f"RFC {kind}": p for kind, p in rfc_policies.items()}
+methods |= {"FQL offline": fql_agents} if fql_agents else {}
 rows = []
 for K in cfg.eval_inference_steps:
     r1 = bc.evaluate(stage1, env, cfg.num_eval_episodes, K, seed=cfg.eval_seed)
-    rows.append({"policy": "stage 1", "seed": -1, "K": K, "success_once": r1["success_once"], "success_at_end": r1["success_at_end"]})
-    for s, policy in stage2.items():
-        r2 = bc.evaluate(policy, env, cfg.num_eval_episodes, K, seed=cfg.eval_seed)
-        rows.append({"policy": "stage 2", "seed": s, "K": K, "success_once": r2["success_once"], "success_at_end": r2["success_at_end"]})
+    rows.append({"method": "stage 1", "seed": -1, "K": K, "success_once": r1["success_once"], "success_at_end": r1["success_at_end"]})
+    for name, by_seed in methods.items():
+        for s, policy in by_seed.items():
+            r2 = bc.evaluate(policy, env, cfg.num_eval_episodes, K, seed=cfg.eval_seed)
+            rows.append({"method": name, "seed": s, "K": K, "success_once": r2["success_once"], "success_at_end": r2["success_at_end"]})
 evals = pd.DataFrame(rows)
 evals.to_csv(run_path / "stage1_vs_stage2.csv", index=False)
-table = evals.groupby(["K", "policy"])[["success_once", "success_at_end"]].agg(["mean", "std", "count"])
-fig, ax = plt.subplots(figsize=(5, 2.8))
-means = evals.groupby(["K", "policy"])["success_once"].mean().unstack()
-spread = evals.groupby(["K", "policy"])["success_once"].std().unstack().fillna(0)
+order = list(dict.fromkeys(evals.method))
+table = evals.groupby(["K", "method"], sort=False)[["success_once", "success_at_end"]].agg(["mean", "std", "count"])
+fig, ax = plt.subplots(figsize=(6.5, 2.8))
+means = evals.groupby(["K", "method"])["success_once"].mean().unstack()[order]
+spread = evals.groupby(["K", "method"])["success_once"].std().unstack()[order].fillna(0)
 means.plot.bar(ax=ax, yerr=spread, rot=0, capsize=3)
 ax.set_ylim(0, 1)
 ax.set_ylabel("success_once")
+ax.set_xlabel("K")
+ax.legend(loc="center left", bbox_to_anchor=(1, 0.5), fontsize=8)
 ax.set_title(f"{cfg.env_id}, {cfg.num_eval_episodes} episodes, {len(cfg.train_seeds)} training seed(s)")
 runs.save_figure(fig, run_path, "stage1_vs_stage2")
 plt.show()
@@ -283,19 +358,27 @@ table.round(3)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print(f"every stage-2 seed evaluated: {sorted(evals[evals.policy == 'stage 2'].seed.unique().tolist()) == sorted(cfg.train_seeds)}")
+print(f"every method evaluated for every training seed: "
+      f"{all(sorted(evals[evals.method == m].seed.unique().tolist()) == sorted(cfg.train_seeds) for m in methods)}")
 print(f"success rates within [0, 1]: {bool(evals[['success_once', 'success_at_end']].stack().between(0, 1).all())}")
 
 # %%
 env.close()
 K = cfg.select_inference_steps if cfg.select_inference_steps in cfg.eval_inference_steps else cfg.eval_inference_steps[0]
 at_k = evals[evals.K == K]
-s1, s2 = at_k[at_k.policy == "stage 1"].success_once.mean(), at_k[at_k.policy == "stage 2"].success_once
+s1 = at_k[at_k.method == "stage 1"].success_once.mean()
+by_method = at_k[at_k.method != "stage 1"].groupby("method", sort=False).success_once
+s2 = by_method.get_group("AW-ShortCut")
 verdict = "better than" if s2.mean() > s1 else ("equal to" if s2.mean() == s1 else "worse than")
 summary = {"stage1_checkpoint": str(stage1_path), "rollouts": rollout_rows, "pearson_r_heldout": pearson, "ess": ess,
            "K": K, "stage1_success_once": s1, "stage2_success_once_mean": s2.mean(),
-           "stage2_success_once_std": s2.std() if len(s2) > 1 else 0.0, "train_time_s": train_time}
+           "stage2_success_once_std": s2.std() if len(s2) > 1 else 0.0, "train_time_s": train_time,
+           "reflow_mask_ratio": {kind: m.float().mean().item() for kind, m in masks.items()},
+           "methods": {m: {"success_once_mean": g.mean(), "success_once_std": g.std() if len(g) > 1 else 0.0,
+                           "seeds": len(g)} for m, g in by_method}}
 tracker.summary(summary)
 tracker.finish()
 print(f"stage 2 at K={K}: {s2.mean():.2f} ± {summary['stage2_success_once_std']:.2f} over {len(s2)} seed(s), "
       f"{verdict} stage 1 ({s1:.2f})")
+for m, g in by_method:
+    print(f"  {m:>24}: {g.mean():.2f} (minus stage 1: {g.mean() - s1:+.2f})")

@@ -211,3 +211,22 @@ def test_holdout_takes_a_share_of_every_source():
     sources = ["demo"] * 8 + ["rollout"] * 4
     mask = awsc.holdout_mask(sources, 0.25, seed=0)
     assert mask[:8].sum() == 2 and mask[8:].sum() == 1
+
+
+def test_a_mask_as_weights_makes_the_weighted_mean_the_kept_samples_mean():
+    """RFC offline (notebook 02) passes ``mask_weights`` to the same weighted loss as AW-ShortCut: for any
+    per-sample loss, ``mean(w l)`` over all samples is the plain mean over the kept ones."""
+    mask = torch.tensor([True, False, True, True, False, False, False, True])
+    w = critics.mask_weights(mask)
+    assert w.tolist() == [2.0, 0.0, 2.0, 2.0, 0.0, 0.0, 0.0, 2.0] and w.mean().item() == 1.0
+    per_sample = torch.randn(8, generator=torch.Generator().manual_seed(0)).exp()
+    assert (w * per_sample).mean().item() == pytest.approx(per_sample[mask].mean().item(), rel=1e-6)
+    with pytest.raises(ValueError, match="keeps no sample"):
+        critics.mask_weights(torch.zeros(8, dtype=torch.bool))
+
+
+def test_config_rejects_an_unknown_rfc_mask():
+    with pytest.raises(ValueError, match="rfc_masks must be a list of"):
+        awsc.AWShortCutConfig(rfc_masks=["success_only", "top_half"])
+    with pytest.raises(ValueError, match="rfc_topk"):
+        awsc.AWShortCutConfig(rfc_topk=0.0)
