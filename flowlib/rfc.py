@@ -32,6 +32,7 @@ from .learners import PPOLearner
 from .ppo import explained_variance, ppo_update
 from .reinflow import chunk_rollout
 
+
 @dataclass
 class RFCConfig:
     """RFC's options (steer ``"chain"``, learner ``"rfc"``); the critic and the advantages are PPOConfig's."""
