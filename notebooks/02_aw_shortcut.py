@@ -291,8 +291,9 @@ ax.set_ylabel("method")
 ax.legend(loc="center left", bbox_to_anchor=(1, 0.5), fontsize=8)
 runs.save_figure(fig, run_path, "weight_by_source")
 plt.show()
-tracker.log({f"reflow_mask_ratio/{kind}": m.float().mean().item() for kind, m in masks.items()}, 0)
-pd.DataFrame({"reflow_mask_ratio": {kind: m.float().mean().item() for kind, m in masks.items()}}).round(3)
+mask_ratio = {kind: m.float().mean().item() for kind, m in masks.items()}
+tracker.log({f"reflow_mask_ratio/{kind}": r for kind, r in mask_ratio.items()}, 0)
+pd.DataFrame({"reflow_mask_ratio": mask_ratio}).round(3)
 
 # %%
 t0 = time.time()
@@ -314,7 +315,11 @@ for s in cfg.train_seeds if cfg.fql_offline_steps else []:
                          tuple(cfg.critic_hidden_dims))
     path = run_path / "fql" / f"seed_{s}" / "last.pt"
     if cfg.resume and path.exists():
-        agent.load_state_dict(runs.load_torch(path, "FQL's offline agent")["agent"])
+        saved = runs.load_torch(path, "FQL's offline agent")
+        if saved["steps"] != cfg.fql_offline_steps:
+            raise ValueError(f"{path} holds {saved['steps']} FQL offline steps, not fql_offline_steps="
+                             f"{cfg.fql_offline_steps}: use another run_name or set resume=False to start over")
+        agent.load_state_dict(saved["agent"])
     else:
         stats = fql.train_offline(agent, fql.demo_decisions(agent, episodes, cfg.gamma), cfg.fql_offline_steps,
                                   cfg.critic_batch_size, fql_settings, s)
@@ -331,13 +336,17 @@ print(f"FQL offline: {len(fql_agents)} seed(s) x {cfg.fql_offline_steps} steps i
 # %%
 methods = {"AW-ShortCut": stage2} | {f"RFC {kind}": p for kind, p in rfc_policies.items()}
 methods |= {"FQL offline": fql_agents} if fql_agents else {}
-rows = []
+rows, one_step = [], {}  # FQL's one-step policy ignores K: scored once, listed at every K
 for K in cfg.eval_inference_steps:
     r1 = bc.evaluate(stage1, env, cfg.num_eval_episodes, K, seed=cfg.eval_seed)
     rows.append({"method": "stage 1", "seed": -1, "K": K, "success_once": r1["success_once"], "success_at_end": r1["success_at_end"]})
     for name, by_seed in methods.items():
         for s, policy in by_seed.items():
-            r2 = bc.evaluate(policy, env, cfg.num_eval_episodes, K, seed=cfg.eval_seed)
+            k_free = isinstance(policy, fql.FQLAgent)
+            r2 = one_step[s] if k_free and s in one_step else bc.evaluate(policy, env, cfg.num_eval_episodes, K,
+                                                                           seed=cfg.eval_seed)
+            if k_free:
+                one_step[s] = r2
             rows.append({"method": name, "seed": s, "K": K, "success_once": r2["success_once"], "success_at_end": r2["success_at_end"]})
 evals = pd.DataFrame(rows)
 evals.to_csv(run_path / "stage1_vs_stage2.csv", index=False)
@@ -373,7 +382,7 @@ verdict = "better than" if s2.mean() > s1 else ("equal to" if s2.mean() == s1 el
 summary = {"stage1_checkpoint": str(stage1_path), "rollouts": rollout_rows, "pearson_r_heldout": pearson, "ess": ess,
            "K": K, "stage1_success_once": s1, "stage2_success_once_mean": s2.mean(),
            "stage2_success_once_std": s2.std() if len(s2) > 1 else 0.0, "train_time_s": train_time,
-           "reflow_mask_ratio": {kind: m.float().mean().item() for kind, m in masks.items()},
+           "reflow_mask_ratio": mask_ratio,
            "methods": {m: {"success_once_mean": g.mean(), "success_once_std": g.std() if len(g) > 1 else 0.0,
                            "seeds": len(g)} for m, g in by_method}}
 tracker.summary(summary)
