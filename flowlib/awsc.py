@@ -145,6 +145,9 @@ def collect_rollouts(policy: bc.FlowPolicy, env, cfg: AWShortCutConfig, stage1_p
     Noise level ``j`` uses env seeds ``ROLLOUT_SEED + 100_000 j + i`` (never the evaluation seeds).
     Returns the episodes (full length, as recorded) and one summary row per noise level.
     """
+    if policy.meta["obs_mode"] != "state":
+        raise ValueError(f"{stage1_path} reads {policy.meta['obs_mode']} observations; stage 2's critic and its cached "
+                         "rollouts read the state vector: start stage 2 from a state policy")
     episodes, rows = [], []
     for j, std in enumerate(cfg.rollout_noise_stds):
         seed = ROLLOUT_SEED + 100_000 * j

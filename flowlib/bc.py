@@ -23,14 +23,18 @@ import torch
 import torch.nn as nn
 
 from . import progress
-from .guards import require_finite
 from .config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields
 from .data import ChunkDataset, Episode, Normalizer, generate_demos, load_demos
+from .encoders import build_obs_encoder
 from .envs import control_mode as task_control_mode
+from .envs import is_fast
 from .flows import ShortCut
+from .guards import require_finite
 from .policy_eval import evaluate  # noqa: F401  (bc.evaluate: what every stage scores a policy with)
 from .runs import load_torch, rng_state, save_torch, set_rng_state
 from .unet import ChunkVelocityMLP, ShortCutVelocityUNet1D
+from .visual import augment_window, check_obs_mode
+from .visual_demos import VisualChunkDataset, replay_visual
 
 CHECKPOINT_FORMAT = "flowlib.shortcut_bc/1"
 AW_CHECKPOINT_FORMAT = "flowlib.aw_shortcut/1"  # stage 2: the same contents plus its critic
@@ -63,6 +67,11 @@ class ShortCutBCConfig:
     mlp_dims: list[PositiveInt] = field(default_factory=lambda: [256, 256, 256])  # the MLP's layer widths
     emb_dim: PositiveInt = 32  # width of the time and step-size embeddings
     obs_emb_dim: NonNegativeInt = 0     # 0: the flat obs window conditions the U-Net; > 0: an MLP obs_encoder first
+    obs_mode: str = "state"             # "state", or from the task camera "rgb", "rgbd", "pointcloud" (flowlib.visual)
+    camera_size: PositiveInt = 64       # the camera's width and height in pixels (visual obs modes)
+    num_points: PositiveInt = 512       # points per point-cloud frame (obs_mode pointcloud)
+    random_shift: NonNegativeInt = 4    # DrQ's image augmentation: pad and re-crop by up to this many pixels (0: off)
+    demos_in_memory: bool = True        # visual demos: read every frame once; false: stream each batch's from disk
     shortcut_max_steps: PositiveInt = 8  # the finest ShortCut step d_min is 1 / shortcut_max_steps
     bootstrap_fraction: Fraction = 0.25  # share of each batch given the ShortCut self-consistency target
     ema_decay: Fraction = 0.995
@@ -101,6 +110,10 @@ class ShortCutBCConfig:
         for k in [*self.eval_inference_steps, self.select_inference_steps]:
             if k > self.shortcut_max_steps or self.shortcut_max_steps % k:
                 raise ValueError(f"inference steps {k} must divide shortcut_max_steps={self.shortcut_max_steps}")
+        check_obs_mode(self.obs_mode)
+        if self.obs_mode != "state" and not self.obs_emb_dim:
+            raise ValueError(f"obs_mode {self.obs_mode!r} reads the view through an obs_encoder: set obs_emb_dim > 0 "
+                             "(e.g. 64)")
 
 
 class ChunkPolicy(nn.Module):
@@ -150,15 +163,17 @@ class FlowPolicy(ChunkPolicy):
 
 def build_policy(meta: dict[str, Any], obs_normalizer: Normalizer | None = None,
                  action_normalizer: Normalizer | None = None) -> FlowPolicy:
-    """A fresh policy from checkpoint metadata (dims, horizons, net and ShortCut sizes).  The policy keeps copies
-    of the normalisers it is given: moving it to a GPU leaves the dataset's (and a critic built from them) on the CPU."""
+    """A fresh policy from checkpoint metadata (dims, horizons, net and ShortCut sizes, the obs mode's encoder).  The
+    policy keeps copies of the normalisers it is given: moving it to a GPU leaves the dataset's (and a critic built
+    from them) on the CPU."""
     dims = (meta["action_dim"], meta["obs_dim"], meta["obs_horizon"], meta["pred_horizon"])
+    encoder = build_obs_encoder(meta)  # None for a state policy
     if meta["velocity_net"] == "mlp":
         net = ChunkVelocityMLP(*dims, hidden=tuple(meta["mlp_dims"]), emb_dim=meta["emb_dim"],
-                               obs_emb_dim=meta["obs_emb_dim"])
+                               obs_emb_dim=meta["obs_emb_dim"], obs_encoder=encoder)
     else:
         net = ShortCutVelocityUNet1D(*dims, down_dims=tuple(meta["down_dims"]), emb_dim=meta["emb_dim"],
-                                     obs_emb_dim=meta["obs_emb_dim"])
+                                     obs_emb_dim=meta["obs_emb_dim"], obs_encoder=encoder)
     flow = ShortCut(net, ema_decay=meta["ema_decay"], max_steps=meta["shortcut_max_steps"],
                     bootstrap_fraction=meta["bootstrap_fraction"])
     obs_normalizer = Normalizer(meta["obs_dim"]) if obs_normalizer is None else copy.deepcopy(obs_normalizer)
@@ -172,7 +187,16 @@ def policy_meta(cfg: ShortCutBCConfig, dataset: ChunkDataset, control_mode: str)
             "act_horizon": cfg.act_horizon, "velocity_net": cfg.velocity_net, "down_dims": list(cfg.down_dims),
             "mlp_dims": list(cfg.mlp_dims), "emb_dim": cfg.emb_dim,
             "obs_emb_dim": cfg.obs_emb_dim, "ema_decay": cfg.ema_decay, "shortcut_max_steps": cfg.shortcut_max_steps,
-            "bootstrap_fraction": cfg.bootstrap_fraction}
+            "bootstrap_fraction": cfg.bootstrap_fraction, **observation_meta(cfg, dataset)}
+
+
+def observation_meta(cfg, dataset) -> dict[str, Any]:
+    """What a policy's observations are: ``obs_mode``, and for a visual one the packed layout, camera and points."""
+    mode = getattr(cfg, "obs_mode", "state")
+    if mode == "state":
+        return dict(META_DEFAULTS_OBS)
+    return {"obs_mode": mode, "obs_layout": dataset.layout.to_dict(), "camera_size": dataset.camera_size,
+            "num_points": dataset.num_points}
 
 
 def check_compatible(meta: dict[str, Any], spec) -> None:
@@ -180,6 +204,10 @@ def check_compatible(meta: dict[str, Any], spec) -> None:
     if meta["env_id"] != spec.env_id:
         raise ValueError(f"checkpoint was trained on {meta['env_id']}, env is {spec.env_id}: "
                          f"make the env with env_id={meta['env_id']!r} or train a policy for {spec.env_id}")
+    trained, given = meta.get("obs_mode", "state"), getattr(spec, "obs_mode", "state")
+    if trained != given:
+        raise ValueError(f"checkpoint reads obs_mode={trained!r} observations, the env gives {given!r}: make the env "
+                         f"with make_env(..., **flowlib.visual.policy_env_kwargs(meta))")
     for key in ("obs_dim", "action_dim"):
         if meta[key] != getattr(spec, key):
             raise ValueError(f"checkpoint {key}={meta[key]} but the env has {key}={getattr(spec, key)} "
@@ -203,7 +231,8 @@ def save_checkpoint(path: Path, policy: FlowPolicy, optimizer, scheduler, step: 
 
 
 # Metadata keys added after the first checkpoints were written, with the value those checkpoints mean.
-META_DEFAULTS = {"obs_emb_dim": 0, "velocity_net": "unet", "mlp_dims": [256, 256, 256]}
+META_DEFAULTS_OBS = {"obs_mode": "state", "obs_layout": None, "camera_size": 0, "num_points": 0}
+META_DEFAULTS = {"obs_emb_dim": 0, "velocity_net": "unet", "mlp_dims": [256, 256, 256], **META_DEFAULTS_OBS}
 VELOCITY_NETS = ("unet", "mlp")
 
 
@@ -261,6 +290,36 @@ def training_demos(path: str | Path) -> list[Episode]:
     return load_demos(demo_path, max_episodes=None if from_file else config["num_demos"])
 
 
+def demo_dataset(cfg) -> tuple[ChunkDataset | VisualChunkDataset, list[Episode]]:
+    """Stage 1's training windows from ``cfg``'s demos (``demo_file``, or ``num_demos`` generated and cached) and the
+    state episodes they come from; a visual ``obs_mode`` renders the demos into it first (``replay_visual``, cached)."""
+    path = cfg.demo_file or generate_demos(cfg.env_id, cfg.num_demos)
+    max_episodes = None if cfg.demo_file else cfg.num_demos
+    episodes = load_demos(path, max_episodes=max_episodes)
+    if cfg.obs_mode == "state":
+        return ChunkDataset(episodes, cfg.obs_horizon, cfg.pred_horizon, action_norm=cfg.action_norm,
+                            gripper=not is_fast(cfg.env_id)), episodes
+    if is_fast(cfg.env_id):
+        raise ValueError(f"{cfg.env_id} is a fast torch task with state observations only: set obs_mode: state")
+    views = replay_visual(path, cfg.obs_mode, cfg.camera_size, cfg.num_points, max_episodes=max_episodes)
+    return VisualChunkDataset(views, cfg.obs_horizon, cfg.pred_horizon, max_episodes=max_episodes,
+                              in_memory=cfg.demos_in_memory, action_norm=cfg.action_norm,
+                              num_points=cfg.num_points), episodes
+
+
+def batches(dataset, policy: FlowPolicy, device, random_shift: int = 0):
+    """``draw(idx) -> obs [B, To, O], actions [B, H, A]``, normalised as the policy normalises (a resumed checkpoint's
+    or stage 1's statistics), on ``device``.  A state dataset's windows are normalised once and indexed; a visual one
+    builds each batch's packed frames when asked, its images shifted by up to ``random_shift`` pixels (training only)."""
+    if isinstance(dataset, VisualChunkDataset):
+        def draw(idx):
+            obs, actions = dataset.batch(idx, policy.obs_normalizer, policy.action_normalizer)
+            return augment_window(obs, dataset.layout, random_shift).to(device), actions.to(device)
+        return draw
+    obs_all, act_all = dataset.tensors(policy.obs_normalizer, policy.action_normalizer)  # [N, To, O], [N, H, A]
+    return lambda idx: (obs_all[idx], act_all[idx])
+
+
 LR_SCHEDULES = ("cosine", "constant")
 
 
@@ -291,7 +350,7 @@ def train(cfg, dataset: ChunkDataset, run_path: Path, tracker=None, env=None,
     With ``cfg.resume`` and an existing ``<run>/last.pt`` of the same settings, training continues
     from its step (a finished run just reloads).  With ``env`` and ``cfg.eval_every``, the EMA policy
     is evaluated periodically; ``best_model.pt`` keeps the best ``success_once`` at
-    ``select_inference_steps`` (the last checkpoint if there is no periodic evaluation).  With
+    ``select_inference_steps`` (the last checkpoint if there is no periodic evaluation, a resumed run's too).  With
     ``cfg.keep_every``, ``step_<N>.pt`` is kept every ``keep_every`` steps as well (loadable like ``best_model.pt``);
     writing them draws no random numbers, so the run is the same with or without them.
     """
@@ -325,11 +384,10 @@ def train(cfg, dataset: ChunkDataset, run_path: Path, tracker=None, env=None,
         if tracker is not None and hasattr(tracker, "rewind"):
             tracker.rewind(step)  # rows logged after the checkpoint will be logged again
         print(f"resumed from {last} at step {step}")
-    # [N, To, O], [N, H, A], normalised as the policy normalises (a resumed checkpoint's or stage 1's statistics)
-    obs_all, act_all = dataset.tensors(policy.obs_normalizer, policy.action_normalizer)
+    draw = batches(dataset, policy, device, getattr(cfg, "random_shift", 0))
     if weights is not None:
-        if weights.shape != (len(obs_all),):
-            raise ValueError(f"weights must be [{len(obs_all)}] (one per dataset window), got {tuple(weights.shape)}")
+        if weights.shape != (len(dataset),):
+            raise ValueError(f"weights must be [{len(dataset)}] (one per dataset window), got {tuple(weights.shape)}")
         if not torch.isfinite(weights).all() or (weights < 0).any():
             raise ValueError("weights must be finite and >= 0: check the critic's advantages and beta")
         weights = weights.to(device)
@@ -337,8 +395,9 @@ def train(cfg, dataset: ChunkDataset, run_path: Path, tracker=None, env=None,
     bar = progress.bar(cfg.train_steps, "ShortCut BC" if weights is None else "AW-ShortCut", initial=step,
                        unit="step")
     while step < cfg.train_steps:
-        idx = torch.randint(0, len(obs_all), (cfg.batch_size,))
-        loss, info = policy.flow.loss(act_all[idx], obs_all[idx], weight=None if weights is None else weights[idx])
+        idx = torch.randint(0, len(dataset), (cfg.batch_size,))
+        obs, actions = draw(idx)  # [B, To, O], [B, H, A], normalised
+        loss, info = policy.flow.loss(actions, obs, weight=None if weights is None else weights[idx])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = nn.utils.clip_grad_norm_(policy.flow.net.parameters(), 1.0)
@@ -364,7 +423,7 @@ def train(cfg, dataset: ChunkDataset, run_path: Path, tracker=None, env=None,
         if step % cfg.ckpt_every == 0 or step == cfg.train_steps:
             save(last, step=step, best=best)
     bar.close()
-    if not (env is not None and cfg.eval_every) and not (run_path / "best_model.pt").exists():
+    if not (env is not None and cfg.eval_every):  # no periodic evaluation (this part of the run): the last is the best
         save(run_path / "best_model.pt", step=step, best=best)
     policy.eval()
     return policy, best

@@ -53,12 +53,14 @@ def overhead(agent, env, decisions: int = 8, seed: int = 0) -> dict[str, float]:
             "overhead_fraction": (policy_time / steps) / raw, "loop_env_steps_per_s": steps / total}
 
 
-def overhead_table(agent, cfg) -> list[dict]:
-    """``overhead`` of ``agent`` at each of ``cfg.bench_num_envs`` (fresh envs of ``cfg.env_id``, episodes from
-    ``cfg.eval_seed``), with the backend and the peak memory so far: a notebook's benchmark table."""
+def overhead_table(agent, cfg, **env_kwargs) -> list[dict]:
+    """``overhead`` of ``agent`` at each of ``cfg.bench_num_envs`` (fresh envs of ``cfg.env_id``, made with
+    ``env_kwargs``: a visual policy's camera, ``flowlib.visual.policy_env_kwargs``; episodes from ``cfg.eval_seed``),
+    with the backend and the peak memory so far: a notebook's benchmark table."""
     rows = []
     for n in cfg.bench_num_envs:
-        with make_env(cfg.env_id, n, max_episode_steps=cfg.max_episode_steps, backend=cfg.backend) as env:
+        with make_env(cfg.env_id, n, max_episode_steps=cfg.max_episode_steps, backend=cfg.backend,
+                      **env_kwargs) as env:
             rows.append({**overhead(agent, env, cfg.bench_decisions, seed=cfg.eval_seed), "backend": env.backend,
                          "peak_memory_mb": peak_memory_mb()})
     return rows

@@ -34,6 +34,7 @@ import torch
 from .fast_envs import CONTROL_MODE as FAST_CONTROL_MODE
 from .fast_envs import FAST_TASKS, EnvSpec  # noqa: F401  (EnvSpec: every env's, re-exported)
 from .tasks import task
+from .visual import VISUAL_MODES, check_obs_mode, make_visual_env
 
 
 def clear_grasp_at_reset(env_id: str, obs):
@@ -88,18 +89,23 @@ def resolve_backend(backend: str = "auto") -> str:
     return backend
 
 
-def _make_cpu_env(env_id, obs_mode, control_mode, reward_mode, max_episode_steps, render, fresh_scene=False):
+def _make_cpu_env(env_id, obs_mode, control_mode, reward_mode, max_episode_steps, render, fresh_scene=False,
+                  camera_size=64, num_points=512):
     """One single-process CPU env (numpy in/out), termination ignored: built inside the worker.  ``fresh_scene``:
-    a new PhysX scene at every reset (module docstring)."""
+    a new PhysX scene at every reset (module docstring).  A visual ``obs_mode`` packs each observation
+    (``flowlib.visual``)."""
     import gymnasium as gym
     import mani_skill.envs  # noqa: F401
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
     torch.set_num_threads(1)  # a worker only steps physics; idle torch threads would compete for cores
-    env = gym.make(env_id, obs_mode=obs_mode, control_mode=control_mode, reward_mode=reward_mode,
-                   sim_backend="physx_cpu", render_mode="rgb_array" if render else None,
-                   render_backend="sapien_cuda" if torch.cuda.is_available() else "sapien_cpu",  # no fallback warning
-                   max_episode_steps=max_episode_steps, reconfiguration_freq=1 if fresh_scene else None)
+    kwargs = dict(reward_mode=reward_mode, sim_backend="physx_cpu", render_mode="rgb_array" if render else None,
+                  render_backend="sapien_cuda" if torch.cuda.is_available() else "sapien_cpu",  # no fallback warning
+                  max_episode_steps=max_episode_steps, reconfiguration_freq=1 if fresh_scene else None)
+    if obs_mode in VISUAL_MODES:
+        env = make_visual_env(env_id, obs_mode, camera_size, num_points, control_mode, **kwargs)
+    else:
+        env = gym.make(env_id, obs_mode=obs_mode, control_mode=control_mode, **kwargs)
     return _restorable_wrapper()(CPUGymWrapper(env, ignore_terminations=True))
 
 
@@ -152,8 +158,9 @@ class ManiSkillVecEnv:
     def __init__(self, env_id: str = "PickCube-v1", num_envs: int = 1, obs_mode: str = "state",
                  control_mode: str | None = None, reward_mode: str = "normalized_dense",
                  max_episode_steps: int | None = None, backend: str = "auto", render: bool = False,
-                 fresh_scene: bool = False):
+                 fresh_scene: bool = False, camera_size: int = 64, num_points: int = 512):
         check_env_id(env_id)
+        check_obs_mode(obs_mode)
         _check_vulkan()
         self.backend = resolve_backend(backend)
         if fresh_scene and self.backend == "physx_cuda":
@@ -170,23 +177,27 @@ class ManiSkillVecEnv:
             from mani_skill.vector.wrappers.gymnasium import ManiSkillVectorEnv
 
             enable_physx_gpu()
-            env = gym.make(env_id, num_envs=num_envs, obs_mode=obs_mode, control_mode=control_mode,
-                           reward_mode=reward_mode, sim_backend="physx_cuda",
-                           render_mode="rgb_array" if render else None, max_episode_steps=self.max_episode_steps)
+            kwargs = dict(num_envs=num_envs, control_mode=control_mode, reward_mode=reward_mode, sim_backend="physx_cuda",
+                          render_mode="rgb_array" if render else None, max_episode_steps=self.max_episode_steps)
+            if obs_mode in VISUAL_MODES:
+                env = make_visual_env(env_id, obs_mode, camera_size, num_points, **kwargs)
+            else:
+                env = gym.make(env_id, obs_mode=obs_mode, **kwargs)
             self.env = ManiSkillVectorEnv(env, num_envs, auto_reset=False, ignore_terminations=True)
         else:
             import gymnasium as gym
             from gymnasium.vector import AutoresetMode
 
             make = functools.partial(_make_cpu_env, env_id, obs_mode, control_mode, reward_mode,
-                                     self.max_episode_steps, render, fresh_scene)
+                                     self.max_episode_steps, render, fresh_scene, camera_size, num_points)
             cls = _steppable_sync_vector_env() if num_envs == 1 else gym.vector.AsyncVectorEnv
             # spawn, not fork: forking a process that already runs torch threads can deadlock
             kwargs = {} if num_envs == 1 else {"daemon": True, "context": "spawn"}
             self.env = cls([make] * num_envs, autoreset_mode=AutoresetMode.DISABLED, **kwargs)
         self.task_flags: dict[str, torch.Tensor] = {}  # set by each step
         self.spec = EnvSpec(env_id, int(np.prod(self.env.single_observation_space.shape)),
-                            int(np.prod(self.env.single_action_space.shape)), control_mode, self.max_episode_steps)
+                            int(np.prod(self.env.single_action_space.shape)), control_mode, self.max_episode_steps,
+                            obs_mode)
 
     def _tensor(self, x, dtype=torch.float32) -> torch.Tensor:
         return torch.as_tensor(np.asarray(x) if not torch.is_tensor(x) else x, dtype=dtype).to(self.device)

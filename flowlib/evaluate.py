@@ -24,6 +24,7 @@ e.g. episodes that grasp the cube but never bring it to the goal.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -31,7 +32,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from . import bc, loop, progress, stage3
+from . import bc, loop, progress, stage3, visual
 from .envs import make_env, resolve_backend
 from .metrics import paired_means, success_rates
 from .runs import load_torch, run_dir, save_json, save_text
@@ -87,11 +88,15 @@ def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, 
     if len(env_ids) != 1 or len(modes) != 1:
         raise ValueError(f"the checkpoints were trained on different envs or control modes ({env_ids}, {modes}); "
                          "compare only checkpoints of one task")
+    views = {json.dumps(visual.policy_env_kwargs(meta), sort_keys=True) for _, meta in loaded.values()}
+    if len(views) != 1:
+        raise ValueError(f"the checkpoints read different observations ({sorted(views)}): evaluate each obs_mode "
+                         "(state, rgb, ...) in its own call")
     if fresh_scene is None:
         fresh_scene = resolve_backend(backend) == "physx_cpu"
     results = {}
     with make_env(env_ids.pop(), num_envs, control_mode=modes.pop(), backend=backend,
-                  max_episode_steps=max_episode_steps, fresh_scene=fresh_scene) as env:
+                  max_episode_steps=max_episode_steps, fresh_scene=fresh_scene, **json.loads(views.pop())) as env:
         for path, (policy, meta) in progress.bar(iterable=loaded.items(), total=len(loaded), desc="checkpoints"):
             bc.check_compatible(meta, env.spec)
             explores = noisy and hasattr(policy, "explore")  # a stage-3 agent: its training-time draws

@@ -50,6 +50,7 @@ class EnvSpec:
     action_dim: int
     control_mode: str
     max_episode_steps: int
+    obs_mode: str = "state"  # or a visual mode of flowlib.visual: observations are packed frames
 
 
 class FastVecEnv:

@@ -90,13 +90,21 @@ class NoisyVelocityUNet1D(nn.Module):
     per-dimension std is shared across the chunk's ``H`` steps; ``eps`` from ``generator``).
     """
 
-    def __init__(self, base: nn.Module, noise_net: ExploreNoiseNet):
+    def __init__(self, base: nn.Module, noise_net: ExploreNoiseNet, visual: bool = False):
         super().__init__()
-        self.base, self.noise_net = base, noise_net
+        self.base, self.noise_net, self.visual = base, noise_net, visual
+
+    def obs_input(self, obs: torch.Tensor) -> torch.Tensor:
+        """What the noise and value nets read of a normalised window ``[B, To, O]``: the flat window, or for a visual
+        policy the velocity net's ``obs_encoder`` embedding ``[B, obs_emb_dim]``, detached (pixels are too wide for an
+        MLP head, and these heads do not train the encoder)."""
+        if self.visual:
+            return self.base.obs_encoder(obs.flatten(1)).detach()
+        return obs.flatten(1)
 
     def forward(self, x, t, d, obs, generator: torch.Generator | None = None):
         velocity = self.base(x, t, d, obs)                                   # [B, H, A]
-        noise_std = self.noise_net(t, obs.flatten(1))                          # [B, A]
+        noise_std = self.noise_net(t, self.obs_input(obs))                    # [B, A]
         eps = torch.randn(x.shape, generator=generator).to(x.device)
         return velocity, noise_std[:, None, :] * eps, noise_std
 
@@ -139,6 +147,7 @@ class ReinFlowAgent(bc.ChunkPolicy):
     ``freeze_obs_encoder``: the velocity net's ``obs_encoder`` (``ShortCutVelocityUNet1D``, stage 1's
     ``obs_emb_dim > 0``) takes no gradient and is left out of ``policy_parameters``; PPO moves the rest of the
     net and the noise net.  The seam where a pretrained visual encoder stays fixed while the flow is fine-tuned.
+    A visual policy's noise and value nets read the encoder's embedding, not the pixels (``obs_input``).
     """
 
     def __init__(self, policy, num_inference_steps: int = 8, min_noise_std: float = 0.01,
@@ -172,10 +181,11 @@ class ReinFlowAgent(bc.ChunkPolicy):
         self.obs_horizon, self.pred_horizon = meta["obs_horizon"], meta["pred_horizon"]
         self.act_horizon = bc.check_act_horizon(act_horizon or meta["act_horizon"], self.obs_horizon, self.pred_horizon)
         self.action_dim, self.obs_dim = meta["action_dim"], meta["obs_dim"]
-        obs_in = self.obs_horizon * self.obs_dim
+        visual = meta.get("obs_mode", "state") != "state"
+        obs_in = meta["obs_emb_dim"] if visual else self.obs_horizon * self.obs_dim  # NoisyVelocityUNet1D.obs_input
         self.d = flow.jump(1.0 / num_inference_steps)  # rejects K beyond what the ShortCut net was trained for
         self.actor = NoisyVelocityUNet1D(flow.net, ExploreNoiseNet(obs_in, self.action_dim, min_noise_std,
-                                                                   max_noise_std, hidden=noise_hidden))
+                                                                   max_noise_std, hidden=noise_hidden), visual)
         self.noise_method, self.hybrid, self.log_prob_reduce = noise_method, hybrid, log_prob_reduce
         self.register_buffer("noise_level", torch.tensor(float(noise_level)))
         self.noise_level_start, self.max_noise_std_start = float(noise_level), float(max_noise_std)
@@ -265,7 +275,7 @@ class ReinFlowAgent(bc.ChunkPolicy):
     def value(self, obs_window: torch.Tensor) -> torch.Tensor:  # [B, To, O] -> [B]
         o = self._norm_obs(obs_window)
         if self.critic_input == "obs":
-            return self.value_net(o.flatten(1)).squeeze(-1)
+            return self.value_net(self.actor.obs_input(o)).squeeze(-1)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.detach_critic_input):
             feats = self._velocity_features(o)
         return self.value_net(feats).squeeze(-1)
@@ -279,7 +289,7 @@ class ReinFlowAgent(bc.ChunkPolicy):
         """The learned std ``[B, 1, A]`` at ``t_k`` (shared over the chunk's H steps), or None (SDE / CPS)."""
         if self.noise_method not in LEARNED_NOISE:
             return None
-        return self.actor.noise_net(t, o.flatten(1))[:, None, :]
+        return self.actor.noise_net(t, self.actor.obs_input(o))[:, None, :]
 
     def stochastic_mask(self, B: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """Which of the ``K`` steps carry noise, ``[B, K]``: all eligible ones, or one at random (hybrid)."""

@@ -80,7 +80,7 @@ class StepResidualAgent(FlowSteer):
             raise ValueError(f"residual_bound must be > 0, got {residual_bound}")
         super().__init__(policy, num_inference_steps, options.get("act_horizon", 0), options.get("obs_clip", 5.0))
         self.residual_bound = float(residual_bound)
-        self.state_dim = self.obs_horizon * self.obs_dim + self.action_dim  # s = (o window, a_b)
+        self.state_dim = self.flow.obs_features_dim + self.action_dim  # s = (o window or its embedding, a_b)
         self.residual_net = mlp([self.state_dim, *residual_hidden, self.action_dim], act=nn.Mish)
         nn.init.zeros_(self.residual_net[-1].weight)
         nn.init.zeros_(self.residual_net[-1].bias)  # r = 0 at the start: the stage-1 policy
@@ -108,8 +108,10 @@ class StepResidualAgent(FlowSteer):
         self.explore_std.fill_(value)
 
     def state(self, obs_window: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-        """``s = [normalised, clipped o window (flat), a_b]``: raw ``[B, To, O]``, normalised ``[B, A]`` -> ``[B, S]``."""
-        return torch.cat([self.norm_obs(obs_window).flatten(1), base], 1)
+        """``s = [normalised, clipped o window (flat), a_b]``: raw ``[B, To, O]``, normalised ``[B, A]`` -> ``[B, S]``.
+        A visual policy's ``s`` holds the frozen encoder's embedding instead of the window (``obs_window`` may then be
+        ``observe``'s output, as the replay stores it; ``FrozenFlow.obs_features``)."""
+        return torch.cat([self.flow.obs_features(obs_window), base], 1)
 
     def residual(self, s: torch.Tensor, target: bool = False) -> torch.Tensor:
         """``mu_phi(s) = b tanh(f_phi(s))`` ``[B, A]``, 0 on the dims it leaves to the base (``target``: the
@@ -325,7 +327,8 @@ class StepCollector:
             window = runner.window.clone()
             base = self.chunk[rows, self.phase - self.offset]                          # [N, A] normalised, CPU
             base_d = base.to(device)
-            r = agent.explore_noise(agent.residual(agent.state(window.to(device), base_d)), self.gen)
+            observed = agent.observe(window.to(device))  # the window, or a visual policy's embedding
+            r = agent.explore_noise(agent.residual(agent.state(observed, base_d)), self.gen)
             action = agent.action_normalizer.unnormalize(base_d + r).clamp(-1.0, 1.0).cpu()
             r = r.cpu()  # the replay buffer lives on the CPU
             policy_time += time.time() - tp
@@ -340,7 +343,8 @@ class StepCollector:
                 next_base[~out["end"]] = self.chunk[~out["end"], 0]  # the ended envs re-planned from their resets too
             elif out["end"].any():
                 self._plan(out["end"])
-            step = dict(obs=window, latent=r, reward=out["reward"], end=out["end"], next_obs=out["next_window"],
+            next_observed = agent.observe(out["next_window"].to(device)).cpu()
+            step = dict(obs=observed.cpu(), latent=r, reward=out["reward"], end=out["end"], next_obs=next_observed,
                         bootstrap=out["discount"] * (~out["terminal"]).float(), base=base, next_base=next_base)
             for row in self.n_step.push(**step) if self.n_step else [step]:
                 buffer.add(**row)

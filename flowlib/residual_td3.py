@@ -39,10 +39,11 @@ class TD3Config:
 
 
 def replay_buffer(agent: StepResidualAgent, capacity: int) -> ReplayBuffer:
-    """Transitions ``obs [To, O]``, ``latent`` = the residual ``r [A]``, ``reward``, ``bootstrap`` =
+    """Transitions ``obs [To, O]`` (a visual policy's: its embedding, ``StepResidualAgent.observe``), ``latent`` = the residual ``r [A]``, ``reward``, ``bootstrap`` =
     ``gamma (1 - terminal)``, ``next_obs``, and the base actions ``base``, ``next_base`` ``[A]`` (normalised)."""
     A = agent.action_dim
-    return ReplayBuffer(capacity, (agent.obs_horizon, agent.obs_dim), (A,), base=(A,), next_base=(A,))
+    obs = (agent.flow.obs_features_dim,) if agent.flow.visual else (agent.obs_horizon, agent.obs_dim)  # observe()'s
+    return ReplayBuffer(capacity, obs, (A,), base=(A,), next_base=(A,))
 
 
 def actor_loss(agent: StepResidualAgent, s: torch.Tensor,

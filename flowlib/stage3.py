@@ -113,6 +113,7 @@ METHODS: dict[tuple[str, str], Method] = {
                                 (GaussianConfig, ChunkScoreConfig, PPOConfig), gaussian_agent,
                                 functools.partial(chunk_ppo, name="Gaussian PPO"), _gaussian_checks, gaussian_bc),
 }
+VISUAL_METHODS = (("chain", "ppo"), ("residual_step", "td3"), ("residual_step", "ppo"))  # on a visual stage-1 policy
 METHOD_CONFIGS = tuple(dict.fromkeys(c for m in METHODS.values() for c in m.configs))  # every method's, once
 
 
@@ -188,6 +189,8 @@ def start_problem(cfg: Stage3Config) -> str:
     except FileNotFoundError:
         return ""
     meta = bc.checkpoint_meta(path)
+    if visual_problem(cfg, meta, path):
+        return visual_problem(cfg, meta, path)
     if cfg.freeze_obs_encoder and not meta["obs_emb_dim"]:
         return (f"freeze_obs_encoder is set, but the start {path} has no obs_encoder (its U-Net reads the flat "
                 f"observation window: stage 1 ran with obs_emb_dim 0): train stage 1 with obs_emb_dim > 0 "
@@ -200,6 +203,16 @@ def start_problem(cfg: Stage3Config) -> str:
     return ""
 
 
+def visual_problem(cfg: Stage3Config, meta: dict, path) -> str:
+    """Why ``cfg``'s method cannot start from a visual policy (its ``meta``), or ""."""
+    if meta.get("obs_mode", "state") == "state" or (cfg.steer, cfg.learner) in VISUAL_METHODS:
+        return ""
+    return (f"the start {path} reads {meta['obs_mode']} observations; of the stage-3 methods only "
+            f"{', '.join(f'{s}/{lr}' for s, lr in VISUAL_METHODS)} (steer/learner) run on a visual policy (their "
+            f"heads read the encoder's embedding, and a replay keeps the embedding, not the frames); the others keep "
+            f"pixel windows in replay buffers or put MLP heads on them: start them from a state policy")
+
+
 def make_agent(policy, cfg: Stage3Config):
     """The agent of ``cfg``'s method over a stage-1/2 ``policy``."""
     return method(cfg).agent(policy, cfg)
@@ -209,6 +222,8 @@ def build_agent(cfg: Stage3Config, path: Path, spec=None) -> tuple:
     """Agent from a stage-1 or stage-2 checkpoint; with a stage-2 critic of the same value-net shape
     and ``warm_start_value``, ``V`` starts from the critic's.  Returns the agent and how V started."""
     policy, critic = load_from_aw_shortcut_flow(path, spec)
+    if visual_problem(cfg, policy.meta, path):
+        raise ValueError(visual_problem(cfg, policy.meta, path))
     agent = make_agent(policy, cfg)
     method(cfg).prepare(agent, cfg, path)
     how = "fresh"

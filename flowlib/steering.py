@@ -58,12 +58,34 @@ class FrozenFlow(nn.Module):
         self.action_dim, self.obs_dim = meta["action_dim"], meta["obs_dim"]
         self.d = flow.jump(1.0 / num_inference_steps)  # rejects K beyond what the ShortCut net was trained for
         self.net = flow.net.requires_grad_(False)
+        self.visual = meta.get("obs_mode", "state") != "state"
 
     def norm_obs(self, obs_window: torch.Tensor) -> torch.Tensor:  # raw [B, To, O] -> normalised, clipped
         if obs_window.shape[1:] != (self.obs_horizon, self.obs_dim):
             raise ValueError(f"obs window must be [B, {self.obs_horizon}, {self.obs_dim}], got {tuple(obs_window.shape)}")
         o = self.obs_normalizer.normalize(obs_window)
         return o.clamp(-self.obs_clip, self.obs_clip) if self.obs_clip else o
+
+    @property
+    def obs_features_dim(self) -> int:
+        """The width of ``obs_features``: the flat window, or a visual policy's embedding."""
+        return self.meta["obs_emb_dim"] if self.visual else self.obs_horizon * self.obs_dim
+
+    @torch.no_grad()
+    def observe(self, obs_window: torch.Tensor) -> torch.Tensor:
+        """What a steer keeps of a raw window ``[B, To, O]`` (its replay buffer's ``obs``): the window itself, or for a
+        visual policy the frozen encoder's embedding ``[B, obs_emb_dim]`` (a replay of pixel windows would not fit:
+        ~100 kB a transition at 64 x 64; the encoder is frozen, so the embedding is what it would compute later)."""
+        if not self.visual:
+            return obs_window
+        return self.net.obs_encoder(self.norm_obs(obs_window).flatten(1))
+
+    def obs_features(self, observed: torch.Tensor) -> torch.Tensor:
+        """``[B, obs_features_dim]``, what a steer's heads read, from a raw window ``[B, To, O]`` or from ``observe``'s
+        output: the normalised, clipped window flattened, or a visual policy's embedding."""
+        if self.visual:
+            return observed if observed.dim() == 2 else self.observe(observed)
+        return self.norm_obs(observed).flatten(1)
 
     def draw_x0(self, B: int, generator: torch.Generator | None = None) -> torch.Tensor:  # -> [B, H, A] ~ N(0, I)
         return torch.randn(B, self.pred_horizon, self.action_dim, generator=generator)
@@ -163,6 +185,9 @@ class FlowSteer(bc.ChunkPolicy):
 
     def norm_obs(self, obs_window: torch.Tensor) -> torch.Tensor:  # raw [B, To, O] -> normalised, clipped
         return self.flow.norm_obs(obs_window)
+
+    def observe(self, obs_window: torch.Tensor) -> torch.Tensor:  # FrozenFlow.observe
+        return self.flow.observe(obs_window)
 
     def load_state_dict(self, state, strict: bool = True, assign: bool = False):
         """Also reads a state dict written before the steers were composed (``rename_legacy_keys``)."""

@@ -4,7 +4,7 @@ The architecture is Diffusion Policy's ``ConditionalUnet1D`` (Chi et al. 2023, S
 Fig. 2): residual Conv1d blocks over the time axis of the chunk, FiLM-conditioned (per-channel
 scale and bias, Perez et al. 2018) on a global condition, here the embeddings of the flow time
 ``t``, the step size ``d`` and the observation window: flattened as it is, or through an ``obs_encoder``
-(an MLP here, where a visual encoder would go), which stage 3 can keep frozen (``freeze_obs_encoder``).
+(an MLP, or for pixels and points a ``flowlib.encoders`` one), which stage 3 can keep frozen (``freeze_obs_encoder``).
 Interface as every flowlib net: ``net(x [B, H, A], t [B], d [B], obs [B, To, O]) -> velocity [B, H, A]``.
 """
 from __future__ import annotations
@@ -49,6 +49,16 @@ def _check_inputs(net, x: torch.Tensor, obs: torch.Tensor | None) -> int:
     return x.shape[0]
 
 
+def _obs_encoder(obs_in: int, obs_emb_dim: int, encoder: nn.Module | None) -> nn.Module | None:
+    """A given encoder (``[B, obs_in] -> [B, obs_emb_dim]``, e.g. ``flowlib.encoders.VisualObsEncoder``), else the
+    two-layer MLP when ``obs_emb_dim > 0``, else none (the flat window conditions the net)."""
+    if encoder is not None:
+        if obs_emb_dim <= 0:
+            raise ValueError("an obs_encoder needs obs_emb_dim > 0, the width of what it returns")
+        return encoder
+    return mlp([obs_in, obs_emb_dim, obs_emb_dim], act=nn.Mish) if obs_emb_dim > 0 else None
+
+
 class ShortCutVelocityUNet1D(nn.Module):
     """Velocity net over action chunks ``[B, H, A]``, conditioned on ``t``, ``d`` and ``obs [B, To, O]``.
 
@@ -58,11 +68,13 @@ class ShortCutVelocityUNet1D(nn.Module):
     ``obs_emb_dim``: 0 (the default, and every checkpoint before it) feeds the flattened window ``[B, To * O]``
     to FiLM as it is, with no ``obs_encoder``; ``> 0`` first maps it through ``obs_encoder``, a two-layer MLP
     ``[B, To * O] -> [B, obs_emb_dim]``: the one module that reads the observation, so it can be frozen alone.
+    ``obs_encoder``: another such module in the MLP's place (a visual policy's, ``flowlib.encoders``).
     """
 
     def __init__(self, action_dim: int, obs_dim: int, obs_horizon: int = 2, pred_horizon: int = 16,
                  down_dims: tuple[int, ...] = (64, 128, 256), emb_dim: int = 64, kernel_size: int = 5,
-                 n_groups: int = 8, emb_scale: float = 100.0, obs_emb_dim: int = 0):
+                 n_groups: int = 8, emb_scale: float = 100.0, obs_emb_dim: int = 0,
+                 obs_encoder: nn.Module | None = None):
         super().__init__()
         levels = len(down_dims)
         if pred_horizon % (2 ** (levels - 1)):
@@ -72,7 +84,7 @@ class ShortCutVelocityUNet1D(nn.Module):
         self.d_emb = SinusoidalEmbedding(emb_dim, scale=emb_scale)
         self.time_mlp = nn.Sequential(nn.Linear(2 * emb_dim, 4 * emb_dim), nn.Mish(), nn.Linear(4 * emb_dim, emb_dim))
         obs_in = obs_horizon * obs_dim
-        self.obs_encoder = mlp([obs_in, obs_emb_dim, obs_emb_dim], act=nn.Mish) if obs_emb_dim > 0 else None
+        self.obs_encoder = _obs_encoder(obs_in, obs_emb_dim, obs_encoder)
         cond_dim = emb_dim + (obs_emb_dim if obs_emb_dim > 0 else obs_in)
         dims = [action_dim, *down_dims]
         self.down = nn.ModuleList()
@@ -125,13 +137,13 @@ class ChunkVelocityMLP(nn.Module):
 
     def __init__(self, action_dim: int, obs_dim: int, obs_horizon: int = 2, pred_horizon: int = 16,
                  hidden: tuple[int, ...] = (256, 256, 256), emb_dim: int = 32, emb_scale: float = 100.0,
-                 obs_emb_dim: int = 0):
+                 obs_emb_dim: int = 0, obs_encoder: nn.Module | None = None):
         super().__init__()
         self.action_dim, self.obs_dim, self.obs_horizon, self.pred_horizon = action_dim, obs_dim, obs_horizon, pred_horizon
         self.t_emb = SinusoidalEmbedding(emb_dim, scale=emb_scale)
         self.d_emb = SinusoidalEmbedding(emb_dim, scale=emb_scale)
         obs_in = obs_horizon * obs_dim
-        self.obs_encoder = mlp([obs_in, obs_emb_dim, obs_emb_dim], act=nn.Mish) if obs_emb_dim > 0 else None
+        self.obs_encoder = _obs_encoder(obs_in, obs_emb_dim, obs_encoder)
         width = pred_horizon * action_dim + 2 * emb_dim + (obs_emb_dim if obs_emb_dim > 0 else obs_in)
         self.body = nn.Sequential(mlp([width, *hidden], act=nn.Mish), nn.Mish())
         self.head = nn.Linear(hidden[-1], pred_horizon * action_dim)

@@ -49,14 +49,15 @@ import numpy as np
 import pandas as pd
 import torch
 
-from flowlib import bc, config, runs
-from flowlib.data import ChunkDataset, check_held_out, generate_demos, load_demos
-from flowlib.envs import is_fast, make_env
+from flowlib import bc, config, runs, visual
+from flowlib.data import check_held_out
+from flowlib.envs import make_env
 from flowlib.tracking import start_run
 
 # %% tags=["parameters"]
 # Defaults: the small CPU run (minutes; the policy will not solve the task yet).
-# Longer runs: params/01_shortcut_bc/cpu.yaml (2 CPU cores) and gpu.yaml.
+# Longer runs: params/01_shortcut_bc/cpu.yaml (2 CPU cores) and gpu.yaml; from the camera: pickcube_rgb_cpu.yaml and
+# pickcube_pointcloud_cpu.yaml.
 seed: int = 0  # seed of torch and of the run's random draws
 env_id: str = "PickCube-v1"  # the task: a ManiSkill id (PickCube-v1) or a fast torch task (FastReach-v0, FastPush-v0)
 num_demos: int = 20  # demonstrations to clone (generated once, then cached)
@@ -68,6 +69,11 @@ action_norm: str = "minmax"  # "minmax" (to [-1, 1], Diffusion Policy's) or "mea
 down_dims: list[int] = [32, 64]  # the U-Net's channel widths
 emb_dim: int = 32  # width of the time and step-size embeddings
 obs_emb_dim: int = 0  # 0: the flat obs window conditions the U-Net; > 0: an MLP obs_encoder first
+obs_mode: str = "state"  # "state", or from the task camera "rgb", "rgbd", "pointcloud" (flowlib.visual)
+camera_size: int = 64  # the camera's width and height in pixels (visual obs modes)
+num_points: int = 512  # points per point-cloud frame (obs_mode pointcloud)
+random_shift: int = 4  # DrQ's image augmentation: pad and re-crop by up to this many pixels (0: off)
+demos_in_memory: bool = True  # visual demos: read every frame once; false: stream each batch's from disk
 shortcut_max_steps: int = 8  # the finest ShortCut step d_min is 1 / shortcut_max_steps
 bootstrap_fraction: float = 0.25  # share of each batch given the ShortCut self-consistency target
 ema_decay: float = 0.995  # decay of the weights' exponential moving average (the evaluated policy)
@@ -103,11 +109,12 @@ print(f"run folder: {runs.shown(run_path)}")
 # ManiSkill's motion planner solves the task (`mplib`); ManiSkill's replay tool converts each
 # solution to state observations and `pd_ee_delta_pos` actions (end-effector displacement + gripper),
 # recording dense rewards and success flags, which later stages need. Cached under `outputs/data/`.
+# With `obs_mode` `rgb`, `rgbd` or `pointcloud`, each demo frame is also rendered from the task camera by setting the
+# simulator to the demo's recorded state (`flowlib.visual.replay_visual`), so frames, states and actions line up.
 
 # %%
 t0 = time.time()
-path = cfg.demo_file or generate_demos(cfg.env_id, cfg.num_demos)
-episodes = load_demos(path, max_episodes=None if cfg.demo_file else cfg.num_demos)
+dataset, episodes = bc.demo_dataset(cfg)  # a visual obs_mode renders the demos into it once (flowlib.visual)
 lengths = np.array([len(ep) for ep in episodes])
 print(f"demos ready in {time.time() - t0:.0f}s: {len(episodes)} episodes, length {lengths.mean():.1f} ± {lengths.std():.1f}")
 check_held_out("val_seed", cfg.val_seed, cfg.num_eval_episodes + cfg.num_envs, episodes)
@@ -127,9 +134,8 @@ print(f"every demo succeeds: {all(ep.success.any() for ep in episodes)}; rewards
 # normalisers are stored with the checkpoint.
 
 # %%
-dataset = ChunkDataset(episodes, cfg.obs_horizon, cfg.pred_horizon, action_norm=cfg.action_norm,
-                       gripper=not is_fast(cfg.env_id))
-obs_w, act_w = dataset[len(dataset) // 3]
+obs_w, act_w = dataset.batch([len(dataset) // 3]) if cfg.obs_mode != "state" else dataset[len(dataset) // 3]
+obs_w, act_w = obs_w.reshape(cfg.obs_horizon, -1), act_w.reshape(cfg.pred_horizon, -1)  # [To, O], [H, A]
 fig, ax = plt.subplots(figsize=(6, 2.6))
 ax.plot(act_w.numpy(), marker=".")
 ax.axvspan(cfg.obs_horizon - 1, cfg.obs_horizon - 1 + cfg.act_horizon, color="0.9", label="executed")
@@ -145,12 +151,44 @@ print(f"windows: {len(dataset) == sum(len(ep) for ep in episodes)} (one per step
 print(f"obs window {tuple(obs_w.shape)}, action chunk {tuple(act_w.shape)}")
 
 # %% [markdown]
+# ## What the camera sees
+# A visual policy reads, per frame, the robot's own state and the task's goal (no object pose) packed with the camera's
+# view: colour (`rgb`), colour and depth (`rgbd`) or the points above the table (`pointcloud`, farthest-point sampled).
+# Its `obs_encoder` turns each frame's view into features (`flowlib.encoders`: a CNN with a spatial soft-argmax, or
+# DP3's PointNet); the rest of the policy is the state policy's. A state policy (the default) has no camera.
+
+# %%
+if cfg.obs_mode == "state":
+    print(f"obs_mode state: the policy reads the {dataset.obs_dim}-dim state vector (no camera)")
+else:
+    steps = np.linspace(0, len(episodes[0]), 5).astype(int)
+    state_dim = dataset.layout.state_dim
+    fig = plt.figure(figsize=(2.2 * len(steps), 2.3))
+    for i, s in enumerate(steps):
+        frame = torch.as_tensor(dataset.window(0, int(s))[0][-1])
+        view = dataset.layout.split(frame)[1].numpy()
+        if cfg.obs_mode == "pointcloud":
+            ax = fig.add_subplot(1, len(steps), i + 1, projection="3d")
+            ax.scatter(view[:, 0], view[:, 1], view[:, 2], s=2, c=view[:, 2], cmap="viridis")
+            ax.set_xticks([]), ax.set_yticks([]), ax.set_zticks([])
+        else:
+            ax = fig.add_subplot(1, len(steps), i + 1)
+            ax.imshow(view[..., :3].astype(np.uint8))
+            ax.set_axis_off()
+        ax.set_title(f"demo 0, step {s}", fontsize=8)
+    runs.save_figure(fig, run_path, "camera")
+    plt.show()
+    print(f"obs_mode {cfg.obs_mode}: each frame packs {state_dim} state dims with a view of shape "
+          f"{dataset.layout.view_shape}")
+
+# %% [markdown]
 # ## Simulator
 # `flowlib.envs.make_env` picks `physx_cuda` with many envs on a GPU, else `physx_cpu` with one
 # env per process behind gymnasium's `AsyncVectorEnv`. Same batched-torch interface either way.
 
 # %%
-env = make_env(cfg.env_id, cfg.num_envs, max_episode_steps=cfg.max_episode_steps, backend=cfg.backend)
+env = make_env(cfg.env_id, cfg.num_envs, max_episode_steps=cfg.max_episode_steps, backend=cfg.backend,
+               **visual.policy_env_kwargs(bc.observation_meta(cfg, dataset)))
 print(f"backend {env.backend}, {env.num_envs} envs")
 
 # %%
@@ -217,11 +255,35 @@ print(f"success rates are fractions of {cfg.num_eval_episodes} episodes: "
 print(f"success_at_end <= success_once: {bool((results['success_at_end'] <= results['success_once']).all())}")
 
 # %% [markdown]
+# ## What the encoder attends to
+# The image encoder ends in a spatial soft-argmax (Levine et al. 2016): each of its channels becomes the expected
+# image position of a softmax over pixels, a keypoint. Drawn over a demo frame: where the trained policy looks.
+
+# %%
+if cfg.obs_mode in ("rgb", "rgbd"):
+    encoder = policy.flow.net.obs_encoder.cpu()
+    window = dataset.batch([len(dataset) // 3], policy.obs_normalizer.cpu(), policy.action_normalizer.cpu())[0]
+    maps = encoder.attention(window.flatten(1))[-1]  # [keypoints, H', W'] of the window's last frame
+    image = dataset.layout.split(torch.as_tensor(dataset.window(*dataset.index[len(dataset) // 3])[0][-1]))[1]
+    fig, axes = plt.subplots(1, 2, figsize=(5, 2.6))
+    axes[0].imshow(image[..., :3].numpy().astype(np.uint8))
+    axes[1].imshow(image[..., :3].numpy().astype(np.uint8))
+    axes[1].imshow(maps.sum(0).numpy(), extent=(0, image.shape[1], image.shape[0], 0), alpha=0.6, cmap="magma")
+    for ax, title in zip(axes, ("frame", "keypoint softmax maps, summed")):
+        ax.set_axis_off()
+        ax.set_title(title, fontsize=8)
+    runs.save_figure(fig, run_path, "attention")
+    plt.show()
+else:
+    print(f"obs_mode {cfg.obs_mode}: no image encoder to look into")
+
+# %% [markdown]
 # ## A rollout, rendered
 # RGB rendering works on CPU (Mesa lavapipe). Frames of one episode at 4 inference steps.
 
 # %%
-with make_env(cfg.env_id, 1, max_episode_steps=cfg.max_episode_steps, backend=cfg.backend, render=True) as render_env:
+with make_env(cfg.env_id, 1, max_episode_steps=cfg.max_episode_steps, backend=cfg.backend, render=True,
+              **visual.policy_env_kwargs(policy.meta)) as render_env:
     shown = bc.evaluate(policy, render_env, 1, cfg.select_inference_steps, seed=cfg.eval_seed, frame_every=12)
 frames = shown["frames"]
 fig, axes = plt.subplots(1, len(frames), figsize=(1.9 * len(frames), 2.1), squeeze=False)

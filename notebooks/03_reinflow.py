@@ -46,7 +46,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from flowlib import bc, config, loop, metrics, runs, stage3
+from flowlib import bc, config, loop, metrics, runs, stage3, visual
 from flowlib.envs import make_env
 from flowlib.run import start_checkpoint
 from flowlib.tracking import Tracker, start_run
@@ -85,7 +85,8 @@ wandb_mode: str = "disabled"  # "disabled", "offline" or "online"
 cfg = config.from_globals(stage3.ChainPPOConfig, globals())
 run_path, tracker = start_run("03_reinflow", cfg)
 init_path = start_checkpoint("03_reinflow", cfg)  # the default start is made when missing
-env = make_env(cfg.env_id, cfg.num_envs, max_episode_steps=cfg.max_episode_steps, backend=cfg.backend)
+env = make_env(cfg.env_id, cfg.num_envs, max_episode_steps=cfg.max_episode_steps, backend=cfg.backend,
+               **visual.policy_env_kwargs(bc.checkpoint_meta(init_path)))  # a visual start's camera
 torch.manual_seed(cfg.seed)
 agent, value_init = stage3.build_agent(cfg, init_path, env.spec)
 print(f"run folder: {runs.shown(run_path)}; from {runs.shown(init_path)}; {env.num_envs} envs on {env.backend}; "

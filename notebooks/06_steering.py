@@ -101,7 +101,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from flowlib import bc, bench, config, metrics, runs, stage3
+from flowlib import bc, bench, config, metrics, runs, stage3, visual
 from flowlib.envs import make_env
 from flowlib.tracking import start_run
 
@@ -146,7 +146,8 @@ wandb_mode: str = "disabled"  # "disabled", "offline" or "online"
 cfg = config.from_globals(stage3.SteeringConfig, globals())
 run_path, tracker = start_run("06_steering", cfg)
 init_path = stage3.init_checkpoint_path(cfg)
-env = make_env(cfg.env_id, cfg.num_envs, max_episode_steps=cfg.max_episode_steps, backend=cfg.backend)
+camera = visual.policy_env_kwargs(bc.checkpoint_meta(init_path))  # a visual start's camera; {} for a state policy
+env = make_env(cfg.env_id, cfg.num_envs, max_episode_steps=cfg.max_episode_steps, backend=cfg.backend, **camera)
 agent, value_init = stage3.build_agent(cfg, init_path, env.spec)
 print(f"method {cfg.steer}/{cfg.learner}: {stage3.method(cfg).summary}")
 print(f"from {init_path.parent.name}/{init_path.name}; {env.num_envs} env(s) on {env.backend}")
@@ -206,7 +207,7 @@ after = bc.evaluate(agent, env, cfg.num_eval_episodes, cfg.num_inference_steps, 
 compare = pd.DataFrame(metrics.before_after({"before": before, "after": after}))
 compare.to_csv(run_path / "before_after.csv", index=False)
 env.close()
-overheads = bench.overhead_table(agent, cfg)
+overheads = bench.overhead_table(agent, cfg, **camera)
 compare.round(3)
 
 # %%

@@ -164,6 +164,15 @@ def test_checkpoint_round_trip_gives_the_same_actions(tmp_path):
     assert (tmp_path / "best_model.pt").exists()
 
 
+def test_a_resumed_run_without_periodic_evaluation_writes_its_final_policy_as_best_model(tmp_path):
+    """eval_every 0: best_model.pt is the last policy, also after a resume (it was the first part's)."""
+    dataset = ChunkDataset(random_episodes(), 2, 16)
+    bc.train(tiny_cfg(train_steps=10), dataset, tmp_path)
+    assert bc.read_checkpoint(tmp_path / "best_model.pt")["step"] == 10
+    bc.train(tiny_cfg(train_steps=20), dataset, tmp_path)  # resumes from last.pt at step 10
+    assert bc.read_checkpoint(tmp_path / "best_model.pt")["step"] == 20
+
+
 def test_keep_every_keeps_each_steps_policy_and_leaves_the_run_unchanged(tmp_path):
     """``step_<N>.pt`` holds the policy as it was at step N, and keeping them changes nothing about the run."""
     dataset = ChunkDataset(random_episodes(), 2, 16)
