@@ -81,9 +81,10 @@ class ChunkRunner:
             raise ValueError(f"place_weight applies to reward 'dense' or 'shaped', got reward {reward!r}")
         reads_state = [name for name, on in (("reward 'shaped'", reward == "shaped"), ("reach_weight", reach_weight),
                                              ("grasp_min_gap", grasp_min_gap), ("place_weight", place_weight)) if on]
-        if reads_state and getattr(env.spec, "obs_mode", "state") != "state":
+        obs_mode = getattr(getattr(env, "spec", None), "obs_mode", "state")  # a bare test env may have no spec
+        if reads_state and obs_mode != "state":
             raise ValueError(f"{', '.join(reads_state)} read the cube and the gripper from the state observation, and "
-                             f"this env observes {env.spec.obs_mode}: use reward 'dense' or 'sparse' without the "
+                             f"this env observes {obs_mode}: use reward 'dense' or 'sparse' without the "
                              "reach / grasp / place terms")
         self.env, self.obs_horizon, self.gamma, self.reward = env, obs_horizon, gamma, reward
         self.reward_scale, self.success_bonus, self.reach_weight = reward_scale, success_bonus, reach_weight
