@@ -181,6 +181,7 @@ class ManiSkillVecEnv:
                           render_mode="rgb_array" if render else None, max_episode_steps=self.max_episode_steps)
             if obs_mode in VISUAL_MODES:
                 env = make_visual_env(env_id, obs_mode, camera_size, num_points, **kwargs)
+                state_dim = env.state_dim
             else:
                 env = gym.make(env_id, obs_mode=obs_mode, **kwargs)
             self.env = ManiSkillVectorEnv(env, num_envs, auto_reset=False, ignore_terminations=True)
@@ -194,10 +195,13 @@ class ManiSkillVecEnv:
             # spawn, not fork: forking a process that already runs torch threads can deadlock
             kwargs = {} if num_envs == 1 else {"daemon": True, "context": "spawn"}
             self.env = cls([make] * num_envs, autoreset_mode=AutoresetMode.DISABLED, **kwargs)
+            if obs_mode in VISUAL_MODES:
+                state_dim = self.env.get_attr("state_dim")[0]
         self.task_flags: dict[str, torch.Tensor] = {}  # set by each step
-        self.spec = EnvSpec(env_id, int(np.prod(self.env.single_observation_space.shape)),
-                            int(np.prod(self.env.single_action_space.shape)), control_mode, self.max_episode_steps,
-                            obs_mode)
+        obs_dim = int(np.prod(self.env.single_observation_space.shape))
+        self.spec = EnvSpec(env_id, obs_dim, int(np.prod(self.env.single_action_space.shape)), control_mode,
+                            self.max_episode_steps, obs_mode, state_dim if obs_mode in VISUAL_MODES else obs_dim)
+        self.privileged: torch.Tensor | None = None  # [N, P] after each reset / step (see ``_privileged``)
 
     def _tensor(self, x, dtype=torch.float32) -> torch.Tensor:
         return torch.as_tensor(np.asarray(x) if not torch.is_tensor(x) else x, dtype=dtype).to(self.device)
@@ -209,8 +213,10 @@ class ManiSkillVecEnv:
         observation, and so its result, does not depend on which episode its env ran before."""
         if isinstance(seed, list) and len(seed) != self.num_envs:
             raise ValueError(f"a seed list needs {self.num_envs} entries (one per env), got {len(seed)}")
-        obs, _ = self.env.reset(seed=seed)
-        return clear_grasp_at_reset(self.spec.env_id, self._tensor(obs).reshape(self.num_envs, -1))
+        obs, info = self.env.reset(seed=seed)
+        obs = clear_grasp_at_reset(self.spec.env_id, self._tensor(obs).reshape(self.num_envs, -1))
+        self.privileged = self._privileged(obs, info, reset=True)
+        return obs
 
     def reset_some(self, mask: torch.Tensor, seeds: list[int]) -> torch.Tensor:
         """Restart only the envs where ``mask [N]`` is true, env ``i`` with ``seeds[i]`` (the others keep
@@ -224,10 +230,14 @@ class ManiSkillVecEnv:
             # ManiSkill's GPU sim takes one seed list for all envs; partial resets draw their episode
             # seeds from its main RNG instead (seeded by the last full reset), reproducible all the same
             idx = torch.nonzero(mask).squeeze(1)
-            obs, _ = self.env.reset(options={"env_idx": idx.to(self.device)})
+            obs, info = self.env.reset(options={"env_idx": idx.to(self.device)})
         else:
-            obs, _ = self.env.reset(seed=[int(s) for s in seeds], options={"reset_mask": mask.numpy()})
-        return clear_grasp_at_reset(self.spec.env_id, self._tensor(obs).reshape(self.num_envs, -1))
+            obs, info = self.env.reset(seed=[int(s) for s in seeds], options={"reset_mask": mask.numpy()})
+        obs = clear_grasp_at_reset(self.spec.env_id, self._tensor(obs).reshape(self.num_envs, -1))
+        fresh = self._privileged(obs, info, reset=True)
+        self.privileged = fresh if self.privileged is None else torch.where(mask.to(fresh.device)[:, None], fresh,
+                                                                             self.privileged)
+        return obs
 
     def step(self, action: torch.Tensor):
         """``action [N, A]`` -> ``obs [N, O], reward [N], terminated [N], truncated [N], success [N]``.
@@ -243,8 +253,19 @@ class ManiSkillVecEnv:
         success = info.get("success", np.zeros(self.num_envs, dtype=bool))
         self.task_flags = {name: self._tensor(value, torch.bool) for name, value in info.items()
                            if name != "success" and not name.startswith("_") and _is_flag(value, self.num_envs)}
-        return (self._tensor(obs).reshape(self.num_envs, -1), self._tensor(reward), self._tensor(terminated, torch.bool),
-                self._tensor(truncated, torch.bool), self._tensor(success, torch.bool))
+        obs = self._tensor(obs).reshape(self.num_envs, -1)
+        self.privileged = self._privileged(obs, info)
+        return (obs, self._tensor(reward), self._tensor(terminated, torch.bool), self._tensor(truncated, torch.bool),
+                self._tensor(success, torch.bool))
+
+    def _privileged(self, obs: torch.Tensor, info: dict, reset: bool = False) -> torch.Tensor:
+        """``[N, P]``: ManiSkill's state observation of each env's present state, what an asymmetric critic reads: the
+        observation itself in obs mode ``state``, else the visual worker's ``info["privileged_state"]``
+        (``flowlib.visual``), with a reset's stale contact flag cleared as ``obs``'s is."""
+        if self.spec.obs_mode == "state":
+            return obs
+        state = self._tensor(info["privileged_state"]).reshape(self.num_envs, -1)
+        return clear_grasp_at_reset(self.spec.env_id, state) if reset else state
 
     def snapshot(self) -> list:
         """Every env's simulator state and step count, to hand to ``restore`` (``physx_cpu`` only)."""

@@ -51,6 +51,7 @@ class EnvSpec:
     control_mode: str
     max_episode_steps: int
     obs_mode: str = "state"  # or a visual mode of flowlib.visual: observations are packed frames
+    state_dim: int = 0  # ManiSkill's state observation's width (the env's ``privileged``); 0: none beyond ``obs``
 
 
 class FastVecEnv:

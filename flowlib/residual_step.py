@@ -63,7 +63,14 @@ class StepResidualAgent(FlowSteer):
     hidden sizes, ``value_hidden_dims`` the critics'.  ``correct_gripper`` False keeps ``r``, its exploration and its
     target smoothing at 0 on the last action dim (the gripper), which then runs as the base commands it.
     ``min_noise_std`` is not read (the std is the schedule's, not learned); it stays in the signature of the
-    steers."""
+    steers.
+
+    ``privileged_dim`` ``P`` > 0 makes the critics asymmetric (Pinto et al. 2018, Sec. IV): ``Q(c, r)`` reads
+    ``c = [the simulator's state (P dims, normalised), a_b]`` (``critic_state``) while the actor still reads
+    ``s = (o_t, a_b)``, the camera's embedding: the critic is only needed in training, where the simulator's state
+    is at hand, and the object's pose that the frozen encoder may not hold is what the value depends on.  The state
+    is normalised by its mean and std over the first transitions the critics see (``fit_critic_normalizer``; kept in
+    the checkpoint)."""
 
     closed_loop = True  # flowlib.bc.evaluate corrects each executed action (correct_step)
     CLIP_EXPLORATION = True  # TD3 stores the clipped draw; PPO's subclass scores an unclipped one
@@ -71,7 +78,8 @@ class StepResidualAgent(FlowSteer):
 
     def __init__(self, policy, num_inference_steps: int = 8, min_noise_std: float = 0.01, max_noise_std: float = 0.05,
                  value_hidden_dims: tuple[int, ...] = (256, 256), residual_bound: float = 0.5,
-                 residual_hidden: tuple[int, ...] = (256, 256), correct_gripper: bool = True, **options):
+                 residual_hidden: tuple[int, ...] = (256, 256), correct_gripper: bool = True, privileged_dim: int = 0,
+                 **options):
         why = "steer 'residual_step' runs the flow's ODE; its policy is one Gaussian per env step (no chain log-prob)"
         options = steer_options(options, why)
         if options.get("log_prob_reduce", "sum") != "sum":
@@ -81,6 +89,12 @@ class StepResidualAgent(FlowSteer):
         super().__init__(policy, num_inference_steps, options.get("act_horizon", 0), options.get("obs_clip", 5.0))
         self.residual_bound = float(residual_bound)
         self.state_dim = self.flow.obs_features_dim + self.action_dim  # s = (o window or its embedding, a_b)
+        self.privileged_dim = int(privileged_dim)
+        self.critic_dim = self.privileged_dim + self.action_dim if self.privileged_dim else self.state_dim  # c
+        if self.privileged_dim:
+            self.register_buffer("critic_obs_mean", torch.zeros(self.privileged_dim))
+            self.register_buffer("critic_obs_std", torch.ones(self.privileged_dim))
+            self.register_buffer("critic_obs_fitted", torch.tensor(False))
         self.residual_net = mlp([self.state_dim, *residual_hidden, self.action_dim], act=nn.Mish)
         nn.init.zeros_(self.residual_net[-1].weight)
         nn.init.zeros_(self.residual_net[-1].bias)  # r = 0 at the start: the stage-1 policy
@@ -94,7 +108,7 @@ class StepResidualAgent(FlowSteer):
     def _build_critics(self, hidden: tuple[int, ...]) -> None:
         """TD3's twin critics ``Q(s, r)`` and the Polyak targets of the critics and the actor."""
         self.residual_target = copy.deepcopy(self.residual_net).requires_grad_(False)
-        self.q = TwinQ(self.state_dim, self.action_dim, hidden)
+        self.q = TwinQ(self.critic_dim, self.action_dim, hidden)
         self.q_target = copy.deepcopy(self.q).requires_grad_(False)
 
     # parameter groups
@@ -112,6 +126,30 @@ class StepResidualAgent(FlowSteer):
         A visual policy's ``s`` holds the frozen encoder's embedding instead of the window (``obs_window`` may then be
         ``observe``'s output, as the replay stores it; ``FrozenFlow.obs_features``)."""
         return torch.cat([self.flow.obs_features(obs_window), base], 1)
+
+    def critic_state(self, s: torch.Tensor, privileged: torch.Tensor | None, base: torch.Tensor) -> torch.Tensor:
+        """What the critics read ``[B, C]``: ``s`` itself, or with ``privileged_dim`` the simulator's state
+        ``privileged [B, P]`` normalised (clipped to ``+-obs_clip`` when set) beside ``a_b`` ``base [B, A]``."""
+        if not self.privileged_dim:
+            return s
+        if not bool(self.critic_obs_fitted):
+            raise RuntimeError("the asymmetric critic's state normaliser is not fitted: call fit_critic_normalizer on "
+                               "the first transitions before the first critic step")
+        z = (privileged - self.critic_obs_mean) / self.critic_obs_std
+        if self.flow.obs_clip > 0:
+            z = z.clamp(-self.flow.obs_clip, self.flow.obs_clip)
+        return torch.cat([z, base], 1)
+
+    @torch.no_grad()
+    def fit_critic_normalizer(self, privileged: torch.Tensor, min_std: float = 1e-2) -> None:
+        """Fix the asymmetric critic's normaliser to the mean and std (at least ``min_std``) of ``privileged [M, P]``."""
+        if privileged.shape[-1] != self.privileged_dim or len(privileged) < 2:
+            raise ValueError(f"fitting the critic's state normaliser needs >= 2 states of {self.privileged_dim} dims, "
+                             f"got {tuple(privileged.shape)}")
+        privileged = privileged.to(self.critic_obs_mean.device).float()
+        self.critic_obs_mean.copy_(privileged.mean(0))
+        self.critic_obs_std.copy_(privileged.std(0).clamp(min=min_std))
+        self.critic_obs_fitted.fill_(True)
 
     def residual(self, s: torch.Tensor, target: bool = False) -> torch.Tensor:
         """``mu_phi(s) = b tanh(f_phi(s))`` ``[B, A]``, 0 on the dims it leaves to the base (``target``: the
@@ -276,10 +314,10 @@ class NStepReturns:
         inside = (end.cumsum(0) - end) == 0                                             # no end before step k
         last = torch.where(end.any(0), end.argmax(0), len(steps) - 1)                   # [N]: step m - 1
         envs = torch.arange(len(last))
-        out = {k: v for k, v in first.items() if k in ("obs", "latent", "base")}
+        out = {k: v for k, v in first.items() if k in ("obs", "latent", "base", "priv")}
         out["reward"] = (inside * before * r).sum(0)
         out["bootstrap"] = (before * g)[last, envs]
-        for k in ("next_obs", "next_base"):
+        for k in [k for k in first if k.startswith("next_")]:  # next_obs, next_base (and next_priv)
             out[k] = torch.stack([s[k] for s in steps])[last, envs]
         self.pending = steps[1:]
         return out
@@ -325,6 +363,7 @@ class StepCollector:
         for _ in range(num_steps):
             tp = time.time()
             window = runner.window.clone()
+            privileged = runner.privileged.clone() if agent.privileged_dim else None  # [N, P]: the critic's
             base = self.chunk[rows, self.phase - self.offset]                          # [N, A] normalised, CPU
             base_d = base.to(device)
             observed = agent.observe(window.to(device))  # the window, or a visual policy's embedding
@@ -346,6 +385,8 @@ class StepCollector:
             next_observed = agent.observe(out["next_window"].to(device)).cpu()
             step = dict(obs=observed.cpu(), latent=r, reward=out["reward"], end=out["end"], next_obs=next_observed,
                         bootstrap=out["discount"] * (~out["terminal"]).float(), base=base, next_base=next_base)
+            if agent.privileged_dim:  # the asymmetric critic's simulator states
+                step.update(priv=privileged, next_priv=out["next_privileged"])
             for row in self.n_step.push(**step) if self.n_step else [step]:
                 buffer.add(**row)
             policy_time += time.time() - tp

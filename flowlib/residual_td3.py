@@ -9,6 +9,10 @@ double-Q target with target-policy smoothing (Fujimoto et al. 2018, Eq. 15)::
 (with ``td3_n_step`` = n > 1, the n-step return of ``residual_step.NStepReturns``), and every ``td3_policy_delay``
 critic steps the deterministic policy gradient ``max_phi Q_1(s, mu_phi(s))`` (their Alg. 1) and the Polyak step of
 ``mu_bar``; ``Q_bar`` follows ``Q`` after every critic step, the warm-up's included.
+
+``asymmetric_critic`` (a visual policy): the critics read the simulator's state instead of the camera's embedding,
+``Q(c, r)`` with ``c = (state_t, a_b)`` in every ``Q`` above, the actor still ``mu_phi(s)``
+(``StepResidualAgent.critic_state``; Pinto et al. 2018).  The replay then keeps each transition's states too.
 """
 from __future__ import annotations
 
@@ -36,24 +40,27 @@ class TD3Config:
     residual_l2: NonNegativeFloat = 0.0  # the actor's loss adds residual_l2 * mean (r / b)^2: r stays 0 unless Q pays
     actor_lr_warmup_steps: NonNegativeInt = 0  # env steps past critic_warmup_steps over which the actor's lr ramps
                                                # from 0 to actor_lr (0: full at once)
+    asymmetric_critic: bool = False  # the critics read ManiSkill's state, the actor the camera (a visual policy only)
 
 
 def replay_buffer(agent: StepResidualAgent, capacity: int) -> ReplayBuffer:
     """Transitions ``obs [To, O]`` (a visual policy's: its embedding, ``StepResidualAgent.observe``), ``latent`` = the residual ``r [A]``, ``reward``, ``bootstrap`` =
     ``gamma (1 - terminal)``, ``next_obs``, and the base actions ``base``, ``next_base`` ``[A]`` (normalised)."""
-    A = agent.action_dim
+    A, P = agent.action_dim, agent.privileged_dim
     obs = (agent.flow.obs_features_dim,) if agent.flow.visual else (agent.obs_horizon, agent.obs_dim)  # observe()'s
-    return ReplayBuffer(capacity, obs, (A,), base=(A,), next_base=(A,))
+    priv = {"priv": (P,), "next_priv": (P,)} if P else {}  # an asymmetric critic's simulator states
+    return ReplayBuffer(capacity, obs, (A,), base=(A,), next_base=(A,), **priv)
 
 
-def actor_loss(agent: StepResidualAgent, s: torch.Tensor,
-               residual_l2: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """TD3's actor loss on the states ``s [B, S]``, ``-mean Q_1(s, mu_phi(s)) + residual_l2 mean (mu / b)^2``, and
-    ``mu [B, A]``.  Its gradient in ``phi`` is the deterministic policy gradient (Silver et al. 2014, Theorem 1) through
-    the critic (Fujimoto et al. 2018, Alg. 1); the critics get none (``frozen``)."""
+def actor_loss(agent: StepResidualAgent, s: torch.Tensor, residual_l2: float = 0.0,
+               c: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """TD3's actor loss on the states ``s [B, S]``, ``-mean Q_1(c, mu_phi(s)) + residual_l2 mean (mu / b)^2``, and
+    ``mu [B, A]`` (``c``: what the critics read, ``s`` unless they are asymmetric).  Its gradient in ``phi`` is the
+    deterministic policy gradient (Silver et al. 2014, Theorem 1) through the critic (Fujimoto et al. 2018, Alg. 1);
+    the critics get none (``frozen``)."""
     mu = agent.residual(s)                                                                    # [B, A]
     with frozen(agent.q):  # dQ_1/dr only: no weight gradients for the critics, no Q_2 (a third of the step)
-        q_pi = agent.critic_1(s, mu)                                                          # [B]
+        q_pi = agent.critic_1(s if c is None else c, mu)                                      # [B]
     return -q_pi.mean() + residual_l2 * (mu / agent.residual_bound).pow(2).mean(), mu
 
 
@@ -64,16 +71,18 @@ def td3_update(agent: StepResidualAgent, batch: dict[str, torch.Tensor], actor_o
     device = agent.explore_std.device
     b = {k: v.to(device) for k, v in batch.items()}
     s, s_next = agent.state(b["obs"], b["base"]), agent.state(b["next_obs"], b["next_base"])
+    c = agent.critic_state(s, b.get("priv"), b["base"])                                       # [B, C]: s, or the
+    c_next = agent.critic_state(s_next, b.get("next_priv"), b["next_base"])                   # simulator's state
     with torch.no_grad():
         eps = (torch.randn_like(b["latent"]) * cfg.td3_target_noise).clamp(-cfg.td3_noise_clip, cfg.td3_noise_clip)
         eps = eps * agent.residual_mask
         r_next = (agent.residual(s_next, target=True) + eps).clamp(-agent.residual_bound, agent.residual_bound)
-        y = b["reward"] + b["bootstrap"] * agent.critic(s_next, r_next, target=True).min(0).values  # [B]
-    q = agent.critic(s, b["latent"])                                                          # [2, B]
+        y = b["reward"] + b["bootstrap"] * agent.critic(c_next, r_next, target=True).min(0).values  # [B]
+    q = agent.critic(c, b["latent"])                                                          # [2, B]
     stats = twin_q_step(q, y, critic_opt, critic_opt.param_groups[0]["params"],  # = value_parameters()
                         cfg.max_grad_norm, "a TD3 step")
     if train_policy:
-        loss, mu = actor_loss(agent, s, cfg.residual_l2)
+        loss, mu = actor_loss(agent, s, cfg.residual_l2, c)
         actor_opt.zero_grad(set_to_none=True)
         loss.backward()
         require_finite(nn.utils.clip_grad_norm_(actor_opt.param_groups[0]["params"], cfg.max_grad_norm),  # = policy_parameters()
@@ -103,11 +112,19 @@ def actor_lr(cfg, env_steps: int) -> float:
     return cfg.actor_lr * min(1.0, max(0.0, (env_steps - cfg.critic_warmup_steps) / cfg.actor_lr_warmup_steps))
 
 
-def td3_agent(policy, cfg) -> StepResidualAgent:
-    """The per-step residual agent with TD3's critics (``cfg``'s ``ResidualConfig``) over a frozen ``policy``."""
+def td3_agent(policy, cfg, privileged_dim: int = 0) -> StepResidualAgent:
+    """The per-step residual agent with TD3's critics (``cfg``'s ``ResidualConfig``) over a frozen ``policy``;
+    ``cfg.asymmetric_critic`` needs ``privileged_dim``, the env's state width (``EnvSpec.state_dim``)."""
+    if cfg.asymmetric_critic and policy.meta.get("obs_mode", "state") == "state":
+        raise ValueError("asymmetric_critic gives the critics the simulator's state while the actor reads a camera; "
+                         "this start policy reads the state already (its critics do too): set asymmetric_critic: false")
+    if cfg.asymmetric_critic and privileged_dim <= 0:
+        raise ValueError("asymmetric_critic needs the width of the env's state observation (EnvSpec.state_dim): build "
+                         "the agent with the env's spec (stage3.build_agent(cfg, path, env.spec))")
     return StepResidualAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
                              tuple(cfg.value_hidden_dims), cfg.residual_bound, tuple(cfg.residual_hidden_dims),
-                             correct_gripper=cfg.residual_gripper, act_horizon=cfg.act_horizon, obs_clip=cfg.obs_clip)
+                             correct_gripper=cfg.residual_gripper, act_horizon=cfg.act_horizon, obs_clip=cfg.obs_clip,
+                             privileged_dim=privileged_dim if cfg.asymmetric_critic else 0)
 
 
 def td3_learner(agent: StepResidualAgent, cfg) -> ReplayLearner:
@@ -125,10 +142,12 @@ def td3_learner(agent: StepResidualAgent, cfg) -> ReplayLearner:
         train_policy = train_policy and (i + 1) % cfg.td3_policy_delay == 0
         return td3_update(agent, batch, learner.actor_opt, learner.critic_opt, cfg, train_policy=train_policy)
 
-    def set_lr(learner):
+    def before_update(learner):
         for group in learner.actor_opt.param_groups:
             group["lr"] = actor_lr(cfg, learner.runner.env_steps)
+        if agent.privileged_dim and not bool(agent.critic_obs_fitted):  # once, on the first iteration's states
+            agent.fit_critic_normalizer(learner.buffer.data["priv"][:len(learner.buffer)])
 
     return ReplayLearner(agent, cfg, replay_buffer(agent, cfg.replay_size), make_collect, update_step, optimizers,
-                         lambda num_envs: steps * num_envs, "residual TD3", before_update=set_lr,
+                         lambda num_envs: steps * num_envs, "residual TD3", before_update=before_update,
                          after_update=lambda learner: {"actor_lr": learner.actor_opt.param_groups[0]["lr"]})

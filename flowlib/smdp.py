@@ -61,9 +61,14 @@ class ChunkRunner:
     the dense reward's place term, ``(1 - tanh(5 d)) / 5``, pays ~0.01 per step for a centimetre, too little for the
     critic to tell a cube held 3 cm above the goal from one brought down into it (docs/stage3.md); at ``k = 20`` the
     last centimetres pay ~0.1-0.2 each.
+
+    ``privileged [N, P]`` is the env's simulator state at the windows' last frame (``env.privileged``: ManiSkill's
+    state observation, also under a camera), kept beside ``window`` and returned as ``next_privileged`` for an
+    asymmetric critic (``flowlib.residual_td3``); ``[N, 0]`` for an env without one (the fast tasks).
     """
 
-    EPISODE_STATE = ("window", "ep_return", "ep_success", "ep_flags", "ep_length", "active", "phi")  # what ``save`` keeps
+    EPISODE_STATE = ("window", "privileged", "ep_return", "ep_success", "ep_flags", "ep_length", "active",
+                     "phi")  # what ``save`` keeps
 
     def __init__(self, env, obs_horizon: int, gamma: float, reward: str = "sparse", first_seed: int = 2_000_000,
                  reward_scale: float = 1.0, success_bonus: float = 0.0, reach_weight: float = 0.0,
@@ -94,6 +99,7 @@ class ChunkRunner:
         self.next_seed = first_seed + N
         obs = env.reset(seed=first_seed)
         self.window = obs[:, None].repeat(1, obs_horizon, 1)  # [N, To, O]
+        self.privileged = self._privileged(N)                 # [N, P]
         self.ep_return = torch.zeros(N)
         self.ep_success = torch.zeros(N, dtype=torch.bool)
         self.flag_names: list[str] = []  # the env's task flags (``env.task_flags``), known from the first step
@@ -111,6 +117,7 @@ class ChunkRunner:
             seeds, self.next_seed = list(range(self.next_seed, self.next_seed + N)), self.next_seed + N
         obs = self.env.reset(seed=list(seeds)).cpu()
         self.window = obs[:, None].repeat(1, self.obs_horizon, 1)
+        self.privileged = self._privileged(N)
         self.ep_return.zero_(), self.ep_success.zero_(), self.ep_flags.zero_(), self.ep_length.zero_(), self.phi.zero_()
         self.active.fill_(True)
 
@@ -118,14 +125,15 @@ class ChunkRunner:
         """Execute ``actions [N, Ta, A]``; returns the SMDP pieces of this decision per env.
 
         ``reward`` = sum_{k<tau} gamma^k r, ``discount`` = gamma^tau, ``terminal``, ``end``, and
-        ``next_window``: the window after the chunk (for an ended env: its last one, for bootstrapping).
+        ``next_window``: the window after the chunk (for an ended env: its last one, for bootstrapping), and
+        ``next_privileged``, the simulator state at its last frame.
         Envs that ended are then reset (``auto_reset``), or else idle until ``restart``;
         ``self.window`` holds the windows of the next decision.
         """
         N, Ta = actions.shape[:2]
         reward, discount = torch.zeros(N), torch.ones(N)
         alive, terminal = self.active.clone(), torch.zeros(N, dtype=torch.bool)
-        window = self.window.clone()
+        window, privileged = self.window.clone(), self.privileged.clone()
         for k in range(Ta):
             obs, r, term, trunc, success = (x.cpu() for x in self.env.step(actions[:, k].to(self.env.device)))
             r, term, extra = self._reward(obs, r, term, success, alive)
@@ -136,13 +144,15 @@ class ChunkRunner:
             self.ep_length += alive.long()
             discount = torch.where(alive, discount * self.gamma, discount)
             window = torch.where(alive[:, None, None], torch.cat([window[:, 1:], obs[:, None]], 1), window)
+            privileged = torch.where(alive[:, None], self._privileged(N), privileged)
             ended = alive & (term | trunc)
             terminal |= alive & term
             alive &= ~ended
             self.env_steps += N  # simulator steps (an env that ended mid-chunk idles to the chunk's end)
         end = self.active & ~alive
-        out = {"reward": reward, "discount": discount, "terminal": terminal, "end": end, "next_window": window}
-        self.window = window.clone()
+        out = {"reward": reward, "discount": discount, "terminal": terminal, "end": end, "next_window": window,
+               "next_privileged": privileged}
+        self.window, self.privileged = window.clone(), privileged.clone()
         for i in torch.nonzero(end).squeeze(1).tolist():
             self.finished.append({"return": float(self.ep_return[i]), "success_once": bool(self.ep_success[i]),
                                   "length": int(self.ep_length[i]),
@@ -155,9 +165,15 @@ class ChunkRunner:
                 seeds[i], self.next_seed = self.next_seed, self.next_seed + 1
             obs = self.env.reset_some(end, seeds).cpu()
             self.window[end] = obs[end][:, None].repeat(1, self.obs_horizon, 1)
+            self.privileged[end] = self._privileged(N)[end]
             self.ep_return[end], self.ep_success[end], self.ep_length[end], self.phi[end] = 0.0, False, 0, 0.0
             self.ep_flags[end] = False
         return out
+
+    def _privileged(self, N: int) -> torch.Tensor:
+        """The env's simulator state now, ``[N, P]`` on the CPU (``[N, 0]``: the env has none)."""
+        state = getattr(self.env, "privileged", None)
+        return torch.zeros(N, 0) if state is None else state.cpu().float()
 
     def _track_flags(self, alive: torch.Tensor) -> None:
         """OR this step's task flags (``is_grasped``, ...) into the episodes still running."""

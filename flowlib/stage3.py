@@ -191,6 +191,9 @@ def start_problem(cfg: Stage3Config) -> str:
     meta = bc.checkpoint_meta(path)
     if visual_problem(cfg, meta, path):
         return visual_problem(cfg, meta, path)
+    if cfg.asymmetric_critic and meta.get("obs_mode", "state") == "state":
+        return (f"asymmetric_critic gives the critics the simulator's state while the actor reads a camera, and the start "
+                f"{path} reads the state already: set asymmetric_critic: false")
     if cfg.freeze_obs_encoder and not meta["obs_emb_dim"]:
         return (f"freeze_obs_encoder is set, but the start {path} has no obs_encoder (its U-Net reads the flat "
                 f"observation window: stage 1 ran with obs_emb_dim 0): train stage 1 with obs_emb_dim > 0 "
@@ -213,8 +216,11 @@ def visual_problem(cfg: Stage3Config, meta: dict, path) -> str:
             f"pixel windows in replay buffers or put MLP heads on them: start them from a state policy")
 
 
-def make_agent(policy, cfg: Stage3Config):
-    """The agent of ``cfg``'s method over a stage-1/2 ``policy``."""
+def make_agent(policy, cfg: Stage3Config, state_dim: int = 0):
+    """The agent of ``cfg``'s method over a stage-1/2 ``policy``; ``state_dim``: the env's state width
+    (``EnvSpec.state_dim``), which an asymmetric critic reads (``residual_td3``)."""
+    if cfg.asymmetric_critic:
+        return method(cfg).agent(policy, cfg, privileged_dim=state_dim)
     return method(cfg).agent(policy, cfg)
 
 
@@ -224,7 +230,7 @@ def build_agent(cfg: Stage3Config, path: Path, spec=None) -> tuple:
     policy, critic = load_from_aw_shortcut_flow(path, spec)
     if visual_problem(cfg, policy.meta, path):
         raise ValueError(visual_problem(cfg, policy.meta, path))
-    agent = make_agent(policy, cfg)
+    agent = make_agent(policy, cfg, getattr(spec, "state_dim", 0))
     method(cfg).prepare(agent, cfg, path)
     how = "fresh"
     # steer "residual_step" learns Q(o, a_b, r) (TD3) or V(o, a_b) (PPO), not the window's V of a stage-2 critic
@@ -258,7 +264,8 @@ def checkpoint_config(ckpt: dict, overrides: dict | None = None) -> Stage3Config
 
 def _agent_from(ckpt: dict, cfg: Stage3Config):
     """The agent a read stage-3 checkpoint holds, rebuilt for ``cfg``, in eval mode."""
-    agent = make_agent(bc.build_policy(ckpt["meta"]), cfg)
+    state = ckpt["agent"].get("critic_obs_mean")  # an asymmetric critic's normaliser: [P]
+    agent = make_agent(bc.build_policy(ckpt["meta"]), cfg, 0 if state is None else len(state))
     agent.load_state_dict(ckpt["agent"])
     return agent.eval()
 

@@ -19,6 +19,10 @@ and the goal the camera cannot see, e.g. PickCube's ``goal_pos``), less the cont
 (PickCube's ``is_grasped``): a ``physx_cpu`` reset leaves them stale (``flowlib.envs``) and a replay that sets the
 simulator's state frame by frame cannot compute them.  No object pose: that is what the camera is for.
 
+**Privileged state.**  Each step's and reset's ``info["privileged_state"]`` is ManiSkill's full state observation of
+the same simulator state (what ``obs_mode="state"`` returns, the object's pose included: ``privileged_state``), for a
+critic that reads the state while the policy reads the camera (``flowlib.residual_td3``'s ``asymmetric_critic``).
+
 **Demonstrations** with a view: ``flowlib.visual_demos`` (rendered from the state demos' recorded simulator states).
 """
 from __future__ import annotations
@@ -148,9 +152,23 @@ def layout_of(obs: dict, mode: str, num_points: int) -> ObsLayout:
     return ObsLayout(mode, state_part(obs).shape[-1], tuple(view_part(obs, mode, num_points).shape[1:]))
 
 
+def privileged_state(base, info: dict | None = None) -> torch.Tensor:
+    """``[N, P]``: ManiSkill's state observation (``obs_mode="state"``'s flat vector) of the simulator's present state,
+    read from a ManiSkill env ``base`` of any obs mode.  A task adds the object's pose to its observation only when its
+    obs mode names ``state`` (``_get_obs_extra``), so the mode is set to ``"state"`` for the one call; ``info``: the
+    step's evaluation (``get_info()`` when None)."""
+    mode = base._obs_mode
+    base._obs_mode = "state"
+    try:
+        return base.get_obs(info)
+    finally:
+        base._obs_mode = mode
+
+
 def packed_observation_wrapper():
     """``PackedObservation(env, mode, num_points)``: a gymnasium observation wrapper around a ManiSkill env (batched
-    torch dicts in, packed ``[N, S + V]`` out), applied before ``CPUGymWrapper``; its ``layout`` says how to split."""
+    torch dicts in, packed ``[N, S + V]`` out), applied before ``CPUGymWrapper``; its ``layout`` says how to split,
+    ``state_dim`` how wide the ``info["privileged_state"]`` is that each step and reset add (module docstring)."""
     import gymnasium as gym
 
     class PackedObservation(gym.ObservationWrapper):
@@ -159,10 +177,20 @@ def packed_observation_wrapper():
             self.mode, self.num_points = mode, num_points
             base = env.unwrapped
             self.layout = layout_of(base._init_raw_obs, mode, num_points)
+            self.state_dim = int(privileged_state(base).shape[-1])
             base.update_obs_space(self.observation(base._init_raw_obs))
 
         def observation(self, obs):
             return pack(obs, self.mode, self.num_points)
+
+        def reset(self, **kwargs):
+            obs, info = super().reset(**kwargs)
+            return obs, {**info, "privileged_state": privileged_state(self.env.unwrapped)}
+
+        def step(self, action):
+            obs, reward, terminated, truncated, info = super().step(action)
+            info["privileged_state"] = privileged_state(self.env.unwrapped, info)
+            return obs, reward, terminated, truncated, info
 
     return PackedObservation
 

@@ -14,7 +14,7 @@ from flowlib.data import Normalizer, generate_demos
 from flowlib.encoders import PointNetEncoder, SpatialSoftmaxCNN, VisualObsEncoder
 from flowlib.envs import EnvSpec, make_env
 from flowlib.residual_step import StepResidualAgent
-from flowlib.residual_td3 import replay_buffer
+from flowlib.residual_td3 import optimizers, replay_buffer, td3_update
 from flowlib.smdp import ChunkRunner
 from flowlib.tracking import Tracker
 from test_reinflow import tiny_policy  # a state stage-1 policy of PickCube's dims
@@ -138,6 +138,44 @@ def test_a_residual_on_a_visual_policy_reads_and_replays_the_frozen_encoders_emb
         ChunkRunner(env, 2, 0.9, reward="dense", reach_weight=1.0)
 
 
+def test_an_asymmetric_critic_learns_a_value_that_only_the_simulators_state_holds():
+    """The reward is the first state dim, which the frames do not show: the critic that reads the state fits it, the
+    one that reads the camera's embedding cannot; the actor still reads the embedding."""
+    policy = tiny_visual_policy(RGB)
+    cfg = stage3.Stage3Config(steer="residual_step", learner="td3", num_inference_steps=4, value_hidden_dims=[32, 32],
+                              residual_hidden_dims=[16], asymmetric_critic=True, critic_lr=1e-3)
+    with pytest.raises(ValueError, match="asymmetric_critic needs the width of the env's state observation"):
+        stage3.make_agent(policy, cfg)
+    with pytest.raises(ValueError, match="this start policy reads the state already"):
+        stage3.make_agent(tiny_policy()[0], cfg, state_dim=42)
+    g = torch.Generator().manual_seed(0)
+    # one view and one base action for all: what differs between the transitions is only in the simulator's state
+    frames, base = (torch.rand(1, 2, RGB.dim, generator=g) * 255).expand(64, -1, -1), torch.randn(1, 4).expand(64, -1)
+    priv = torch.randn(64, 7, generator=g) * torch.tensor([0.1, 1, 1, 1, 1, 1, 1]) + 3.0
+    losses = {}
+    for asymmetric in (True, False):
+        agent = stage3.make_agent(policy, dataclasses.replace(cfg, asymmetric_critic=asymmetric), state_dim=7)
+        buffer = replay_buffer(agent, 100)
+        observed = agent.observe(frames)
+        row = dict(obs=observed, latent=torch.zeros(64, 4), reward=(priv[:, 0] - 3.0) / 0.1, bootstrap=torch.zeros(64),
+                   next_obs=observed, base=base, next_base=base)
+        if asymmetric:
+            assert agent.q.nets[0][0].in_features == 7 + 4 + 4  # [state, a_b] and r: no embedding
+            assert set(buffer.fields) >= {"priv", "next_priv"}
+            with pytest.raises(RuntimeError, match="normaliser is not fitted"):
+                agent.critic_state(agent.state(observed, base), priv, base)
+            agent.fit_critic_normalizer(priv)
+            assert torch.allclose(agent.critic_obs_mean, priv.mean(0))
+            assert agent.critic_obs_std.min() >= 1e-2
+            row.update(priv=priv, next_priv=priv)
+        buffer.add(**row)
+        actor_opt, critic_opt = optimizers(agent, cfg)
+        stats = [td3_update(agent, buffer.sample(64, g), actor_opt, critic_opt, cfg, train_policy=False)
+                 for _ in range(400)]
+        losses[asymmetric] = stats[-1]["value_loss"]
+    assert losses[True] < 0.1 * losses[False]  # the camera's view is one frame: the reward is not in it
+
+
 # ----------------------------------------------------------------------------------------------- on a real env
 
 @pytest.fixture(scope="module")
@@ -196,6 +234,30 @@ def test_rendered_demos_have_the_declared_shapes_and_line_up_with_the_state_demo
             visual_demos.VisualChunkDataset(paths[mode], 2, 16, num_points=128)
 
 
+def test_a_visual_env_reports_the_simulators_state_as_a_state_env_observes_it_and_the_runner_keeps_it_per_episode():
+    g = torch.Generator().manual_seed(0)
+    with make_env("PickCube-v1", 2, obs_mode="rgb", camera_size=32, max_episode_steps=3) as env, \
+            make_env("PickCube-v1", 2, max_episode_steps=3) as state_env:
+        assert env.spec.state_dim == state_env.spec.obs_dim == state_env.spec.state_dim == 42
+        env.reset(seed=7)
+        state = state_env.reset(seed=7)
+        assert env.privileged.shape == (2, 42) and torch.allclose(env.privileged, state, atol=1e-5)
+        for _ in range(2):
+            action = torch.rand(2, 4, generator=g) * 2 - 1
+            env.step(action)
+            state = state_env.step(action)[0]
+            assert torch.allclose(env.privileged, state, atol=1e-4)  # the cube's pose included, which rgb obs lack
+        runner = ChunkRunner(env, 2, 0.9, reward="dense", first_seed=100)
+        assert torch.allclose(runner.privileged, state_env.reset(seed=[100, 101]), atol=1e-5)
+        out = runner.step_chunk(torch.zeros(2, 4, 4))  # episodes of 3 steps: both end inside the chunk and restart
+        assert out["end"].all() and out["next_privileged"].shape == (2, 42)
+        state = state_env.reset(seed=[100, 101])
+        for _ in range(3):
+            state = state_env.step(torch.zeros(2, 4))[0]
+        assert torch.allclose(out["next_privileged"], state, atol=1e-4)  # the episode's last state, for bootstrapping
+        assert torch.allclose(runner.privileged, state_env.reset(seed=[102, 103]), atol=1e-5)  # the next episode's
+
+
 def test_a_visual_stage_1_run_trains_evaluates_and_reloads_then_stage_3_fine_tunes_it_with_the_encoder_frozen(
         rendered, tmp_path):
     data = visual_demos.VisualChunkDataset(rendered[1]["rgb"], 2, 16)
@@ -226,6 +288,19 @@ def test_a_visual_stage_1_run_trains_evaluates_and_reloads_then_stage_3_fine_tun
     for k, v in agent.actor.base.obs_encoder.state_dict().items():
         assert torch.equal(v.cpu(), encoder[k].cpu())
     assert dataclasses.asdict(s3)["freeze_obs_encoder"]
+    # the target recipe with an asymmetric critic: the critics read the simulator's state, the replay keeps it
+    td3 = stage3.Stage3Config(init_checkpoint=s3.init_checkpoint, steer="residual_step", learner="td3",
+                              asymmetric_critic=True, num_inference_steps=4, rollout_steps=2, num_envs=2,
+                              total_env_steps=2 * (2 * 2 * 8), critic_warmup_steps=0, replay_batch_size=8,
+                              max_episode_steps=10, eval_every=0, num_eval_episodes=1, value_hidden_dims=[16],
+                              residual_hidden_dims=[16], reward="dense")
+    with make_env("PickCube-v1", 2, max_episode_steps=10, **visual.policy_env_kwargs(loaded.meta)) as env:
+        agent, _ = stage3.build_agent(td3, stage3.init_checkpoint_path(td3), env.spec)
+        out = stage3.train(td3, agent, env, tmp_path / "td3", Tracker(tmp_path / "td3"))
+    assert out["iterations"] == 2 and agent.q.nets[0][0].in_features == 42 + 4 + 4
+    reloaded = stage3.load_agent(tmp_path / "td3" / "last.pt")
+    assert bool(reloaded.critic_obs_fitted) and torch.equal(reloaded.critic_obs_mean, agent.critic_obs_mean.cpu())
+    assert reloaded.critic_obs_std.min() >= 1e-2
     # notebook 06's benchmark table makes its own envs: with the policy's camera
     rows = bench.overhead_table(agent, dataclasses.replace(s3, bench_num_envs=[1], bench_decisions=1),
                                 **visual.policy_env_kwargs(loaded.meta))
