@@ -8,7 +8,9 @@ Each checkpoint (stage 1 or 2 ``best_model.pt``, stage 3 ``last.pt`` / ``best_mo
 deterministic policy on episodes ``seed .. seed + episodes - 1``.  Episode ``i``'s env seed and policy
 noise both come from ``seed + i`` (``flowlib.bc.evaluate``), and on ``physx_cpu`` every episode starts in a
 freshly built scene (``flowlib.envs``, ``fresh_scene``), so every checkpoint meets the same episodes whatever
-``--num-envs`` is and whatever ran before it, and each one's gain over the first is a paired difference
+``--num-envs`` is and whatever ran before it (the policy's batched forward rounds floats by its batch size, so
+a borderline episode can still flip between ``--num-envs`` values: 1 of 100 seen; compare at one value), and each
+one's gain over the first is a paired difference
 (``flowlib.metrics.success_rates``); so is its gain in return, the env's normalized dense reward summed
 over the episode (``return_diff``, ``flowlib.metrics.paired_means``).  ``--act-horizon`` re-runs each
 checkpoint executing that many actions of every chunk (re-planning more or less often than it was trained
