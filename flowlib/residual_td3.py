@@ -112,12 +112,19 @@ def actor_lr(cfg, env_steps: int) -> float:
     return cfg.actor_lr * min(1.0, max(0.0, (env_steps - cfg.critic_warmup_steps) / cfg.actor_lr_warmup_steps))
 
 
+def asymmetric_problem(cfg, meta: dict) -> str:
+    """Why ``cfg.asymmetric_critic`` cannot run on a start policy of ``meta``, or ""."""
+    if cfg.asymmetric_critic and meta.get("obs_mode", "state") == "state":
+        return ("asymmetric_critic gives the critics the simulator's state while the actor reads a camera; this start "
+                "policy reads the state already (its critics do too): set asymmetric_critic: false")
+    return ""
+
+
 def td3_agent(policy, cfg, privileged_dim: int = 0) -> StepResidualAgent:
     """The per-step residual agent with TD3's critics (``cfg``'s ``ResidualConfig``) over a frozen ``policy``;
     ``cfg.asymmetric_critic`` needs ``privileged_dim``, the env's state width (``EnvSpec.state_dim``)."""
-    if cfg.asymmetric_critic and policy.meta.get("obs_mode", "state") == "state":
-        raise ValueError("asymmetric_critic gives the critics the simulator's state while the actor reads a camera; "
-                         "this start policy reads the state already (its critics do too): set asymmetric_critic: false")
+    if asymmetric_problem(cfg, policy.meta):
+        raise ValueError(asymmetric_problem(cfg, policy.meta))
     if cfg.asymmetric_critic and privileged_dim <= 0:
         raise ValueError("asymmetric_critic needs the width of the env's state observation (EnvSpec.state_dim): build "
                          "the agent with the env's spec (stage3.build_agent(cfg, path, env.spec))")

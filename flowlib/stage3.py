@@ -38,7 +38,7 @@ from .reinflow import ChainConfig, ChunkScoreConfig, chain_agent, chain_ppo, chu
 from .residual import ChunkResidualConfig, ResidualConfig, residual_agent
 from .rfc import RFCConfig, rfc_learner
 from .residual_step import step_ppo_agent, step_ppo_learner
-from .residual_td3 import TD3Config, td3_agent, td3_learner
+from .residual_td3 import TD3Config, asymmetric_problem, td3_agent, td3_learner
 from .runs import policy_checkpoint
 
 PER_STEP_ADVANTAGES = ("gae", "mc", "nstep")  # what PPO on a per-step residual estimates over env steps
@@ -191,9 +191,8 @@ def start_problem(cfg: Stage3Config) -> str:
     meta = bc.checkpoint_meta(path)
     if visual_problem(cfg, meta, path):
         return visual_problem(cfg, meta, path)
-    if cfg.asymmetric_critic and meta.get("obs_mode", "state") == "state":
-        return (f"asymmetric_critic gives the critics the simulator's state while the actor reads a camera, and the start "
-                f"{path} reads the state already: set asymmetric_critic: false")
+    if asymmetric_problem(cfg, meta):
+        return f"{path}: {asymmetric_problem(cfg, meta)}"
     if cfg.freeze_obs_encoder and not meta["obs_emb_dim"]:
         return (f"freeze_obs_encoder is set, but the start {path} has no obs_encoder (its U-Net reads the flat "
                 f"observation window: stage 1 ran with obs_emb_dim 0): train stage 1 with obs_emb_dim > 0 "
