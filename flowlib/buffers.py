@@ -33,13 +33,16 @@ class RolloutBuffer:
     ends: torch.Tensor            # [T, N]  bool (terminated or truncated)
     weights: torch.Tensor         # [T, N]  1 = a live decision, 0 = an env idling after its episode (GRPO)
     policy_time: float = 0.0      # seconds of the rollout spent in the policy (chain, values)
+    states: torch.Tensor | None = None       # [T, N, P]  an asymmetric V's simulator states (flowlib.asymmetric)
+    next_states: torch.Tensor | None = None  # [T, N, P]  ... after the decision (an ended env: its last)
 
     def flat(self, advantages: torch.Tensor, returns: torch.Tensor) -> dict[str, torch.Tensor]:
         n = self.rewards.numel()
         return {"obs": self.obs.reshape(n, *self.obs.shape[2:]), "chains": self.chains.reshape(n, *self.chains.shape[2:]),
                 "stochastic": self.stochastic.reshape(n, -1), "step_log_probs": self.step_log_probs.reshape(n, -1),
                 "log_probs": self.log_probs.reshape(n), "values": self.values.reshape(n), "weights": self.weights.reshape(n),
-                "advantages": advantages.reshape(n), "returns": returns.reshape(n)}
+                "advantages": advantages.reshape(n), "returns": returns.reshape(n),
+                **({"states": self.states.reshape(n, -1)} if self.states is not None else {})}
 
     def advantages(self, cfg) -> tuple[torch.Tensor, torch.Tensor]:
         """``(advantages, returns)`` ``[T, N]`` by ``cfg.advantage`` (``flowlib.ppo``); returns are the value targets."""

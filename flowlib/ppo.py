@@ -311,7 +311,7 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
     ``batch``: ``obs``, ``chains [n, K+1, H, A]`` (or whatever decision the agent scores, ``flowlib.buffers``),
     ``stochastic [n, K]``, ``log_probs [n]`` (joint) and
     ``step_log_probs [n, K]`` (at sampling), ``values``, ``advantages``, ``returns`` and optionally
-    ``weights [n]`` (0 drops a row).
+    ``weights [n]`` (0 drops a row) and ``states [n, P]`` (what an asymmetric V reads: ``value(obs, states)``).
     ``agent`` provides ``value(obs)``, ``step_log_probs(obs, chains, stochastic) -> ([n, K], entropy [n])``,
     ``joint_log_prob(step_log_probs, stochastic, chains)``, ``policy_parameters()``, ``value_parameters()``.
     ``cfg`` provides the fields of ``PPOConfig`` and ``max_grad_norm``.
@@ -363,7 +363,8 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
             critic_opt.zero_grad(set_to_none=True)
             for micro in idx.split(cfg.micro_batch_size or len(idx)):      # gradient accumulation
                 wm = weights[micro]
-                value = agent.value(batch["obs"][micro])
+                value = (agent.value(batch["obs"][micro], batch["states"][micro]) if "states" in batch
+                         else agent.value(batch["obs"][micro]))  # an asymmetric V reads the simulator's state
                 v_sum = (value_loss(value, batch["values"][micro], batch["returns"][micro], cfg.value_clip,
                                     cfg.huber_delta) * wm).sum()
                 loss = cfg.vf_coef * v_sum / w_total

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .asymmetric import privileged_width
 from .awsc import load_from_aw_shortcut_flow
 from .buffers import RolloutBuffer
 from .config import Fraction, NonNegativeFloat
@@ -72,14 +73,16 @@ class ChunkScoreConfig:
                  f"critic_input must be one of {CRITIC_INPUTS}, got {self.critic_input!r}")]
 
 
-def chain_agent(policy, cfg) -> ReinFlowAgent:
-    """The ReinFlow agent of ``cfg`` (steer ``"chain"``) over a stage-1/2 ``policy``."""
+def chain_agent(policy, cfg, state_dim: int = 0) -> ReinFlowAgent:
+    """The ReinFlow agent of ``cfg`` (steer ``"chain"``) over a stage-1/2 ``policy``; ``state_dim``: the env's state
+    width, which ``V`` reads with ``asymmetric_critic`` (``flowlib.asymmetric``)."""
     return ReinFlowAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
                          tuple(cfg.value_hidden_dims), noise_level=cfg.noise_level,
                          freeze_obs_encoder=cfg.freeze_obs_encoder, **score_options(cfg),
                          include_initial_noise=cfg.include_initial_noise, log_prob_over=cfg.log_prob_over,
                          noise_method=cfg.noise_method, hybrid=cfg.hybrid, noise_corr=cfg.noise_corr,
-                         clip_chain_means=cfg.clip_chain_means, noise_clip=cfg.noise_clip)
+                         clip_chain_means=cfg.clip_chain_means, noise_clip=cfg.noise_clip,
+                         privileged_dim=privileged_width(cfg, policy.meta, state_dim))
 
 
 def score_options(cfg) -> dict:
@@ -147,30 +150,57 @@ def collect(agent: ReinFlowAgent, runner: ChunkRunner, num_decisions: int,
     ``branches = M >= 2``: every decision tries ``M`` chains from the same env state (``step_branches``),
     drawn from one shared ``x_0`` (common random numbers; ``x_0`` is not what the branch advantage scores);
     the buffer is ``[T, M * N]``, branch ``m`` of env ``i`` in column ``m * N + i``.
+
+    An asymmetric ``V`` (``agent.privileged_dim``; ``flowlib.asymmetric``) reads the simulator's state, not the
+    window: the buffer keeps each decision's state and the state after it (``states``, ``next_states``) and the
+    values are computed from them at the end, in one batch, after the first rollout has fitted V's state normaliser.
     """
     if branches > 1:
         return _collect_branches(agent, runner, num_decisions, generator, branches)
     device = next(agent.parameters()).device
+    asymmetric = getattr(agent, "privileged_dim", 0) > 0
     rows, policy_time, value = [], 0.0, None
     for _ in range(num_decisions):
         tp = time.time()
-        window, weight = runner.window.to(device), runner.active.float()
+        window, weight, state = runner.window.to(device), runner.active.float(), runner.privileged.clone()
         chain, log_prob, stochastic, step_lp = agent.sample(window, generator, return_steps=True)
-        if value is None:
+        if value is None and not asymmetric:
             value = agent.value(window)
         actions = agent.actions(chain).cpu()
         policy_time += time.time() - tp
         out = runner.step_chunk(actions, auto_reset)
         tp = time.time()
-        next_value = agent.value(out["next_window"].to(device))  # V(s_{t+tau}); for an ended env, its last window
-        value_after = next_value.clone()
-        if auto_reset and out["end"].any():
-            end = out["end"].to(device)
-            value_after[end] = agent.value(runner.window.to(device)[end])  # the reset envs' first windows
+        if asymmetric:  # valued below, from the states
+            value = next_value = value_after = torch.zeros(len(window))
+        else:
+            next_value = agent.value(out["next_window"].to(device))  # V(s_{t+tau}); for an ended env, its last window
+            value_after = next_value.clone()
+            if auto_reset and out["end"].any():
+                end = out["end"].to(device)
+                value_after[end] = agent.value(runner.window.to(device)[end])  # the reset envs' first windows
         policy_time += time.time() - tp
         rows.append(_row(window, chain, stochastic, step_lp, log_prob, value, weight, out, next_value))
+        if asymmetric:
+            rows[-1] |= {"states": state, "next_states": out["next_privileged"]}
         value = value_after
-    return RolloutBuffer(**{k: torch.stack([r[k] for r in rows]) for k in rows[0]}, policy_time=policy_time)
+    buf = RolloutBuffer(**{k: torch.stack([r[k] for r in rows]) for k in rows[0]}, policy_time=policy_time)
+    if asymmetric:
+        tp = time.time()
+        value_states(agent, buf)
+        buf.policy_time += time.time() - tp
+    return buf
+
+
+@torch.no_grad()
+def value_states(agent: ReinFlowAgent, buf: RolloutBuffer) -> None:
+    """An asymmetric ``V``'s ``values`` and ``next_values`` of ``buf`` from its ``states`` / ``next_states``
+    ``[T, N, P]``; its state normaliser is fitted first, on this rollout's live states, if it is not yet."""
+    if not agent.critic_state_fitted:
+        agent.fit_critic_normalizer(buf.states[buf.weights > 0])
+    device = next(agent.parameters()).device
+    for states, field in ((buf.states, "values"), (buf.next_states, "next_values")):
+        v = agent.value(None, states.flatten(0, 1).to(device))
+        setattr(buf, field, v.reshape(states.shape[:2]).cpu())
 
 
 def _row(window, chain, stochastic, step_lp, log_prob, value, weight, out, next_value) -> dict[str, torch.Tensor]:
@@ -216,7 +246,9 @@ def finish_episodes(agent: ReinFlowAgent, runner: ChunkRunner, generator: torch.
         chain = agent.sample(runner.window.to(device), generator)[0]
         out = runner.step_chunk(agent.actions(chain).cpu(), auto_reset=False)   # ended envs: reward 0, discount 1
         truncated = out["end"] & ~out["terminal"]
-        tail = torch.where(truncated, agent.value(out["next_window"].to(device)).cpu(), 0.0)
+        v = (agent.value(None, out["next_privileged"].to(device)) if getattr(agent, "privileged_dim", 0)
+             else agent.value(out["next_window"].to(device)))
+        tail = torch.where(truncated, v.cpu(), 0.0)
         total += discount * (out["reward"] + out["discount"] * tail)
         discount *= out["discount"]
     return total

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from . import bc
+from .asymmetric import CriticStateNorm
 from .flow_sde import (LEARNED_NOISE, check_method, clamp_mean, full_mask, gaussian_entropy, gaussian_log_prob, hybrid_mask,
                        sample_chain, stochastic_steps, transition)
 from .flows import time_grid
@@ -112,7 +113,7 @@ class NoisyVelocityUNet1D(nn.Module):
 # --------------------------------------------------------------------------- agent
 
 
-class ReinFlowAgent(bc.ChunkPolicy):
+class ReinFlowAgent(CriticStateNorm, bc.ChunkPolicy):
     """Flow policy (a stage-1/2 ``FlowPolicy``) + noise + value net: the agent of stage 3 for every noise method.
 
     ``noise_method`` (``flowlib.flow_sde``): ``reinflow`` (learned noise std, ReinFlow Eq. 4),
@@ -148,6 +149,9 @@ class ReinFlowAgent(bc.ChunkPolicy):
     ``obs_emb_dim > 0``) takes no gradient and is left out of ``policy_parameters``; PPO moves the rest of the
     net and the noise net.  The seam where a pretrained visual encoder stays fixed while the flow is fine-tuned.
     A visual policy's noise and value nets read the encoder's embedding, not the pixels (``obs_input``).
+
+    ``privileged_dim`` ``P`` > 0 (a visual policy, ``asymmetric_critic``): ``V`` reads the simulator's state
+    ``[B, P]``, normalised (``flowlib.asymmetric``), instead of the embedding; ``value(obs_window, state)``.
     """
 
     def __init__(self, policy, num_inference_steps: int = 8, min_noise_std: float = 0.01,
@@ -156,7 +160,8 @@ class ReinFlowAgent(bc.ChunkPolicy):
                  noise_method: str = "reinflow", noise_level: float = 0.5, hybrid: bool = False,
                  log_prob_reduce: str = "sum", critic_input: str = "obs", detach_critic_input: bool = True,
                  act_horizon: int | None = 0, obs_clip: float = 5.0, noise_corr: float = 0.0,
-                 freeze_obs_encoder: bool = False, clip_chain_means: bool = False, noise_clip: float = 0.0):
+                 freeze_obs_encoder: bool = False, clip_chain_means: bool = False, noise_clip: float = 0.0,
+                 privileged_dim: int = 0):
         super().__init__()
         check_method(noise_method)
         for name, value, allowed in (("log_prob_over", log_prob_over, LOG_PROB_OVER),
@@ -193,7 +198,11 @@ class ReinFlowAgent(bc.ChunkPolicy):
         if self.eligible < 1:
             raise ValueError(f"{noise_method} with K = {num_inference_steps} has no stochastic step: use K >= 2")
         self.critic_input, self.detach_critic_input = critic_input, detach_critic_input
-        value_in = obs_in if critic_input == "obs" else bc.features_dim(meta)
+        if privileged_dim and critic_input != "obs":
+            raise ValueError(f"asymmetric_critic gives V the simulator's state in place of the observation: "
+                             f"critic_input must be 'obs', got {critic_input!r}")
+        self._init_critic_state(privileged_dim)
+        value_in = privileged_dim or (obs_in if critic_input == "obs" else bc.features_dim(meta))
         self.value_net = mlp([value_in, *value_hidden_dims, 1], act=nn.Mish)
         self.include_initial_noise = include_initial_noise or noise_method == "flow_noise"
         self.log_prob_over = log_prob_over
@@ -272,7 +281,11 @@ class ReinFlowAgent(bc.ChunkPolicy):
             feats.append(f)
         return torch.stack(feats, 1).mean(1)
 
-    def value(self, obs_window: torch.Tensor) -> torch.Tensor:  # [B, To, O] -> [B]
+    def value(self, obs_window: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:  # [B, To, O] -> [B]
+        """``V``: of the normalised window (or its embedding), of the velocity net's features, or with
+        ``privileged_dim`` of the simulator's state ``[B, P]`` at the window's last frame (the window is not read)."""
+        if self.privileged_dim:
+            return self.value_net(self.critic_obs(state, self.obs_clip)).squeeze(-1)
         o = self._norm_obs(obs_window)
         if self.critic_input == "obs":
             return self.value_net(self.actor.obs_input(o)).squeeze(-1)

@@ -48,6 +48,7 @@ import time
 import torch
 import torch.nn as nn
 
+from .asymmetric import CriticStateNorm
 from .buffers import ReplayBuffer, RolloutBuffer
 from .flow_sde import gaussian_entropy, gaussian_log_prob
 from .learners import PPOLearner
@@ -56,7 +57,7 @@ from .smdp import ChunkRunner
 from .steering import FlowSteer, steer_options
 
 
-class StepResidualAgent(FlowSteer):
+class StepResidualAgent(CriticStateNorm, FlowSteer):
     """The frozen flow (its deterministic chain from ``x_0 ~ N(0, I)`` proposes each chunk) plus the residual actor
     ``mu_phi(o, a_b)``, its TD3 twin critics ``Q(o, a_b, r)`` and the Polyak targets of both (module docstring).
     ``residual_bound`` is ``b``; ``max_noise_std`` the exploration std of ``r``; ``residual_hidden`` the actor's
@@ -89,12 +90,8 @@ class StepResidualAgent(FlowSteer):
         super().__init__(policy, num_inference_steps, options.get("act_horizon", 0), options.get("obs_clip", 5.0))
         self.residual_bound = float(residual_bound)
         self.state_dim = self.flow.obs_features_dim + self.action_dim  # s = (o window or its embedding, a_b)
-        self.privileged_dim = int(privileged_dim)
+        self._init_critic_state(privileged_dim)
         self.critic_dim = self.privileged_dim + self.action_dim if self.privileged_dim else self.state_dim  # c
-        if self.privileged_dim:
-            self.register_buffer("critic_obs_mean", torch.zeros(self.privileged_dim))
-            self.register_buffer("critic_obs_std", torch.ones(self.privileged_dim))
-            self.register_buffer("critic_obs_fitted", torch.tensor(False))
         self.residual_net = mlp([self.state_dim, *residual_hidden, self.action_dim], act=nn.Mish)
         nn.init.zeros_(self.residual_net[-1].weight)
         nn.init.zeros_(self.residual_net[-1].bias)  # r = 0 at the start: the stage-1 policy
@@ -132,24 +129,7 @@ class StepResidualAgent(FlowSteer):
         ``privileged [B, P]`` normalised (clipped to ``+-obs_clip`` when set) beside ``a_b`` ``base [B, A]``."""
         if not self.privileged_dim:
             return s
-        if not bool(self.critic_obs_fitted):
-            raise RuntimeError("the asymmetric critic's state normaliser is not fitted: call fit_critic_normalizer on "
-                               "the first transitions before the first critic step")
-        z = (privileged - self.critic_obs_mean) / self.critic_obs_std
-        if self.flow.obs_clip > 0:
-            z = z.clamp(-self.flow.obs_clip, self.flow.obs_clip)
-        return torch.cat([z, base], 1)
-
-    @torch.no_grad()
-    def fit_critic_normalizer(self, privileged: torch.Tensor, min_std: float = 1e-2) -> None:
-        """Fix the asymmetric critic's normaliser to the mean and std (at least ``min_std``) of ``privileged [M, P]``."""
-        if privileged.shape[-1] != self.privileged_dim or len(privileged) < 2:
-            raise ValueError(f"fitting the critic's state normaliser needs >= 2 states of {self.privileged_dim} dims, "
-                             f"got {tuple(privileged.shape)}")
-        privileged = privileged.to(self.critic_obs_mean.device).float()
-        self.critic_obs_mean.copy_(privileged.mean(0))
-        self.critic_obs_std.copy_(privileged.std(0).clamp(min=min_std))
-        self.critic_obs_fitted.fill_(True)
+        return torch.cat([self.critic_obs(privileged, self.flow.obs_clip), base], 1)
 
     def residual(self, s: torch.Tensor, target: bool = False) -> torch.Tensor:
         """``mu_phi(s) = b tanh(f_phi(s))`` ``[B, A]``, 0 on the dims it leaves to the base (``target``: the

@@ -12,7 +12,7 @@ critic steps the deterministic policy gradient ``max_phi Q_1(s, mu_phi(s))`` (th
 
 ``asymmetric_critic`` (a visual policy): the critics read the simulator's state instead of the camera's embedding,
 ``Q(c, r)`` with ``c = (state_t, a_b)`` in every ``Q`` above, the actor still ``mu_phi(s)``
-(``StepResidualAgent.critic_state``; Pinto et al. 2018).  The replay then keeps each transition's states too.
+(``StepResidualAgent.critic_state``; ``flowlib.asymmetric``).  The replay then keeps each transition's states too.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from .asymmetric import privileged_width
 from .buffers import ReplayBuffer
 from .config import NonNegativeFloat, NonNegativeInt, PositiveInt
 from .guards import require_finite
@@ -40,7 +41,6 @@ class TD3Config:
     residual_l2: NonNegativeFloat = 0.0  # the actor's loss adds residual_l2 * mean (r / b)^2: r stays 0 unless Q pays
     actor_lr_warmup_steps: NonNegativeInt = 0  # env steps past critic_warmup_steps over which the actor's lr ramps
                                                # from 0 to actor_lr (0: full at once)
-    asymmetric_critic: bool = False  # the critics read ManiSkill's state, the actor the camera (a visual policy only)
 
 
 def replay_buffer(agent: StepResidualAgent, capacity: int) -> ReplayBuffer:
@@ -112,26 +112,13 @@ def actor_lr(cfg, env_steps: int) -> float:
     return cfg.actor_lr * min(1.0, max(0.0, (env_steps - cfg.critic_warmup_steps) / cfg.actor_lr_warmup_steps))
 
 
-def asymmetric_problem(cfg, meta: dict) -> str:
-    """Why ``cfg.asymmetric_critic`` cannot run on a start policy of ``meta``, or ""."""
-    if cfg.asymmetric_critic and meta.get("obs_mode", "state") == "state":
-        return ("asymmetric_critic gives the critics the simulator's state while the actor reads a camera; this start "
-                "policy reads the state already (its critics do too): set asymmetric_critic: false")
-    return ""
-
-
-def td3_agent(policy, cfg, privileged_dim: int = 0) -> StepResidualAgent:
+def td3_agent(policy, cfg, state_dim: int = 0) -> StepResidualAgent:
     """The per-step residual agent with TD3's critics (``cfg``'s ``ResidualConfig``) over a frozen ``policy``;
-    ``cfg.asymmetric_critic`` needs ``privileged_dim``, the env's state width (``EnvSpec.state_dim``)."""
-    if asymmetric_problem(cfg, policy.meta):
-        raise ValueError(asymmetric_problem(cfg, policy.meta))
-    if cfg.asymmetric_critic and privileged_dim <= 0:
-        raise ValueError("asymmetric_critic needs the width of the env's state observation (EnvSpec.state_dim): build "
-                         "the agent with the env's spec (stage3.build_agent(cfg, path, env.spec))")
+    ``cfg.asymmetric_critic`` needs ``state_dim``, the env's state width (``EnvSpec.state_dim``)."""
     return StepResidualAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
                              tuple(cfg.value_hidden_dims), cfg.residual_bound, tuple(cfg.residual_hidden_dims),
                              correct_gripper=cfg.residual_gripper, act_horizon=cfg.act_horizon, obs_clip=cfg.obs_clip,
-                             privileged_dim=privileged_dim if cfg.asymmetric_critic else 0)
+                             privileged_dim=privileged_width(cfg, policy.meta, state_dim))
 
 
 def td3_learner(agent: StepResidualAgent, cfg) -> ReplayLearner:
@@ -152,7 +139,7 @@ def td3_learner(agent: StepResidualAgent, cfg) -> ReplayLearner:
     def before_update(learner):
         for group in learner.actor_opt.param_groups:
             group["lr"] = actor_lr(cfg, learner.runner.env_steps)
-        if agent.privileged_dim and not bool(agent.critic_obs_fitted):  # once, on the first iteration's states
+        if not agent.critic_state_fitted:  # once, on the first iteration's states
             agent.fit_critic_normalizer(learner.buffer.data["priv"][:len(learner.buffer)])
 
     return ReplayLearner(agent, cfg, replay_buffer(agent, cfg.replay_size), make_collect, update_step, optimizers,

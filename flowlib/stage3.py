@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable, ClassVar
 
 from . import bc, config, loop
+from .asymmetric import AsymmetricConfig, asymmetric_problem
 from .awsc import load_from_aw_shortcut_flow
 from .config import check_fields, require
 from .fql import FQLConfig, fql_agent, fql_learner, fql_offline
@@ -38,7 +39,7 @@ from .reinflow import ChainConfig, ChunkScoreConfig, chain_agent, chain_ppo, chu
 from .residual import ChunkResidualConfig, ResidualConfig, residual_agent
 from .rfc import RFCConfig, rfc_learner
 from .residual_step import step_ppo_agent, step_ppo_learner
-from .residual_td3 import TD3Config, asymmetric_problem, td3_agent, td3_learner
+from .residual_td3 import TD3Config, td3_agent, td3_learner
 from .runs import policy_checkpoint
 
 PER_STEP_ADVANTAGES = ("gae", "mc", "nstep")  # what PPO on a per-step residual estimates over env steps
@@ -90,7 +91,7 @@ def _fql_checks(cfg) -> list[tuple[bool, str]]:
 
 METHODS: dict[tuple[str, str], Method] = {
     ("chain", "ppo"): Method("ReinFlow: PPO through the noisy denoising chain",
-                             (ChainConfig, ChunkScoreConfig, PPOConfig), chain_agent, chain_ppo),
+                             (ChainConfig, ChunkScoreConfig, PPOConfig, AsymmetricConfig), chain_agent, chain_ppo),
     ("latent", "ppo"): Method("DSRL's idea by PPO: a Gaussian policy over x_0, the flow frozen",
                               (LatentConfig, ChunkScoreConfig, PPOConfig), latent_agent,
                               functools.partial(chunk_ppo, name="latent PPO"), _no_branches),
@@ -100,7 +101,7 @@ METHODS: dict[tuple[str, str], Method] = {
                                 (ResidualConfig, ChunkResidualConfig, ChunkScoreConfig, PPOConfig), residual_agent,
                                 functools.partial(chunk_ppo, name="residual PPO"), _no_branches),
     ("residual_step", "td3"): Method("TD3 on a bounded correction of every executed action (the CPU target run)",
-                                     (ResidualConfig, ReplayConfig, TD3Config), td3_agent, td3_learner),
+                                     (ResidualConfig, ReplayConfig, TD3Config, AsymmetricConfig), td3_agent, td3_learner),
     ("residual_step", "ppo"): Method("PPO on the same per-step correction, every env step a decision",
                                      (ResidualConfig, PPOConfig), step_ppo_agent, step_ppo_learner, _per_step_ppo),
     ("chain", "rfc"): Method("RFC: reflow the flow on its own rollouts' chunks, masked by success or advantage",
@@ -126,7 +127,7 @@ class MethodChoice:
 
 
 @dataclass
-class Stage3Config(FQLConfig, RFCConfig, GaussianConfig, TD3Config, SACConfig, ReplayConfig, PPOConfig,
+class Stage3Config(AsymmetricConfig, FQLConfig, RFCConfig, GaussianConfig, TD3Config, SACConfig, ReplayConfig, PPOConfig,
                    ChunkResidualConfig, ResidualConfig, LatentConfig, ChunkScoreConfig, ChainConfig, MethodChoice,
                    RunConfig):
     """The parameters of a stage-3 notebook, flat as papermill passes them: ``RunConfig``'s, the method choice,
@@ -217,9 +218,9 @@ def visual_problem(cfg: Stage3Config, meta: dict, path) -> str:
 
 def make_agent(policy, cfg: Stage3Config, state_dim: int = 0):
     """The agent of ``cfg``'s method over a stage-1/2 ``policy``; ``state_dim``: the env's state width
-    (``EnvSpec.state_dim``), which an asymmetric critic reads (``residual_td3``)."""
-    if cfg.asymmetric_critic:
-        return method(cfg).agent(policy, cfg, privileged_dim=state_dim)
+    (``EnvSpec.state_dim``), which an asymmetric critic reads (``flowlib.asymmetric``)."""
+    if AsymmetricConfig in method(cfg).configs:
+        return method(cfg).agent(policy, cfg, state_dim)
     return method(cfg).agent(policy, cfg)
 
 
@@ -233,7 +234,9 @@ def build_agent(cfg: Stage3Config, path: Path, spec=None) -> tuple:
     method(cfg).prepare(agent, cfg, path)
     how = "fresh"
     # steer "residual_step" learns Q(o, a_b, r) (TD3) or V(o, a_b) (PPO), not the window's V of a stage-2 critic
-    if (cfg.warm_start_value and cfg.critic_input == "obs" and cfg.steer != "residual_step" and critic is not None
+    # (and an asymmetric V reads the simulator's state, not the window)
+    if (cfg.warm_start_value and cfg.critic_input == "obs" and not cfg.asymmetric_critic
+            and cfg.steer != "residual_step" and critic is not None
             and hasattr(critic, "value_net") and hasattr(agent, "value_net")):
         try:
             agent.value_net.load_state_dict(critic.value_net.state_dict())

@@ -21,7 +21,7 @@ simulator's state frame by frame cannot compute them.  No object pose: that is w
 
 **Privileged state.**  Each step's and reset's ``info["privileged_state"]`` is ManiSkill's full state observation of
 the same simulator state (what ``obs_mode="state"`` returns, the object's pose included: ``privileged_state``), for a
-critic that reads the state while the policy reads the camera (``flowlib.residual_td3``'s ``asymmetric_critic``).
+critic that reads the state while the policy reads the camera (``flowlib.asymmetric``).
 
 **Demonstrations** with a view: ``flowlib.visual_demos`` (rendered from the state demos' recorded simulator states).
 """

@@ -176,6 +176,54 @@ def test_an_asymmetric_critic_learns_a_value_that_only_the_simulators_state_hold
     assert losses[True] < 0.1 * losses[False]  # the camera's view is one frame: the reward is not in it
 
 
+def test_chain_ppos_asymmetric_value_reads_the_state_fits_what_only_it_holds_and_is_refused_where_it_cannot_run():
+    """Chain PPO's V with asymmetric_critic: the first rollout's states fit its normaliser and value the buffer; on
+    one camera frame it fits returns that only the state explains, which the embedding's V cannot."""
+    from flowlib.buffers import RolloutBuffer
+    from flowlib.reinflow import value_states
+    policy = tiny_visual_policy(RGB)
+    cfg = stage3.Stage3Config(num_inference_steps=4, value_hidden_dims=[32, 32], minibatch_size=64, update_epochs=1,
+                              asymmetric_critic=True, critic_lr=1e-3)
+    with pytest.raises(ValueError, match="asymmetric_critic needs the width of the env's state observation"):
+        stage3.make_agent(policy, cfg)
+    for bad, match in (({"critic_input": "velocity_features"}, "critic_input must be 'obs'"),
+                       ({"branches": 2, "advantage": "branch"}, "use branches: 1"),
+                       ({"steer": "latent"}, "does not read asymmetric_critic .AsymmetricConfig, read by steer/learner "
+                                             "chain/ppo, residual_step/td3")):
+        with pytest.raises(ValueError, match=match):
+            dataclasses.replace(cfg, **bad)
+    g = torch.Generator().manual_seed(0)
+    frames = (torch.rand(1, 2, RGB.dim, generator=g) * 255).expand(64, -1, -1)
+    states = torch.randn(64, 7, generator=g) * torch.tensor([0.1, 1, 1, 1, 1, 1, 1]) + 3.0
+    returns = (states[:, 0] - 3.0) / 0.1
+    losses = {}
+    for asymmetric in (True, False):
+        agent = stage3.make_agent(policy, dataclasses.replace(cfg, asymmetric_critic=asymmetric), state_dim=7)
+        batch = fake_batch(agent, frames) | {"returns": returns}
+        if asymmetric:
+            assert agent.value_net[0].in_features == 7
+            with pytest.raises(ValueError, match=r"reads the simulator's state \(7 dims; asymmetric_critic\), got None"):
+                agent.value(frames)
+            with pytest.raises(RuntimeError, match="normaliser is not fitted"):
+                agent.value(frames, states)
+            T, N = 4, 16  # the rollout's [T, N] layout; one env idles (weight 0) with an outlying state
+            buf = RolloutBuffer(*(torch.zeros(T, N) for _ in range(12)), states=states.reshape(T, N, 7).clone(),
+                                next_states=states.reshape(T, N, 7).flip(0))
+            buf.weights = torch.ones(T, N)
+            buf.weights[:, 0] = 0
+            buf.states[:, 0] = 1e3
+            value_states(agent, buf)
+            live = states.reshape(T, N, 7)[:, 1:].reshape(-1, 7)
+            assert torch.allclose(agent.critic_obs_mean, live.mean(0)) and bool(agent.critic_obs_fitted)
+            assert torch.allclose(buf.next_values, agent.value(None, buf.next_states.flatten(0, 1)).reshape(T, N))
+            batch["states"] = states
+        opt_a = torch.optim.Adam(agent.policy_parameters(), 1e-3)
+        opt_c = torch.optim.Adam(agent.value_parameters(), 1e-3)
+        stats = [ppo.ppo_update(agent, batch, opt_a, opt_c, cfg, train_policy=False) for _ in range(300)]
+        losses[asymmetric] = stats[-1]["value_loss"]
+    assert losses[True] < 0.1 * losses[False]
+
+
 # ----------------------------------------------------------------------------------------------- on a real env
 
 @pytest.fixture(scope="module")
@@ -288,6 +336,14 @@ def test_a_visual_stage_1_run_trains_evaluates_and_reloads_then_stage_3_fine_tun
     for k, v in agent.actor.base.obs_encoder.state_dict().items():
         assert torch.equal(v.cpu(), encoder[k].cpu())
     assert dataclasses.asdict(s3)["freeze_obs_encoder"]
+    # chain PPO with an asymmetric V: it reads the simulator's state, fitted on the first rollout, kept on reload
+    asym = dataclasses.replace(s3, asymmetric_critic=True)
+    with make_env("PickCube-v1", 2, max_episode_steps=10, **visual.policy_env_kwargs(loaded.meta)) as env:
+        agent, how = stage3.build_agent(asym, stage3.init_checkpoint_path(asym), env.spec)
+        out = stage3.train(asym, agent, env, tmp_path / "asym", Tracker(tmp_path / "asym"))
+    assert out["iterations"] == 2 and agent.value_net[0].in_features == 42 and how == "fresh"
+    reloaded = stage3.load_agent(tmp_path / "asym" / "last.pt")
+    assert bool(reloaded.critic_obs_fitted) and torch.equal(reloaded.critic_obs_mean, agent.critic_obs_mean.cpu())
     # the target recipe with an asymmetric critic: the critics read the simulator's state, the replay keeps it
     td3 = stage3.Stage3Config(init_checkpoint=s3.init_checkpoint, steer="residual_step", learner="td3",
                               asymmetric_critic=True, num_inference_steps=4, rollout_steps=2, num_envs=2,
