@@ -24,7 +24,7 @@ Modules (each with one job):
     residual  steer "residual": a Gaussian correction of the frozen flow's executed actions per chunk (PPO)
     residual_step  steer "residual_step": a correction at every env step; its agents, collector and PPO learner
     residual_td3   TD3 on that per-step correction (the CPU target run)
-    asymmetric  critics that read the simulator's state while a visual actor reads the camera (TD3's Q, chain V)
+    asymmetric  critics that read the simulator's state while a visual actor reads the camera (Q or V)
     stage3    the registry of stage-3 methods ((steer, learner) -> configs, agent, learner), Stage3Config, build,
               load and train; docs/architecture.md draws the layers
     bench     the policy's share of an env step, peak memory

@@ -4,7 +4,9 @@ embedding), the critic reads what training has at hand, the simulator's state.
 A critic is needed only during training, where ManiSkill gives its state observation beside the camera's
 (``flowlib.envs.ManiSkillVecEnv.privileged``, ``EnvSpec.state_dim`` wide); the object's pose, which a frozen visual
 encoder may hold only roughly, is what a value depends on most.  Two critics read it when ``asymmetric_critic`` is
-set: residual TD3's twin ``Q(c, r)`` (``flowlib.residual_td3``) and chain PPO's ``V`` (``flowlib.reinflow``).
+set: residual TD3's twin ``Q(c, r)`` and per-step residual PPO's ``V(c)``, ``c`` = (state, base action)
+(``flowlib.residual_step``), and chain PPO's ``V(state)`` (``flowlib.reinflow``): every method that runs on a visual
+policy (``flowlib.stage3.VISUAL_METHODS``).
 
 The state is normalised by its own mean and std, fitted once on the first transitions the critic sees (the first
 iteration's: a replay's for TD3, a rollout's for PPO) and kept in the checkpoint, like the policy's observation
@@ -19,7 +21,7 @@ import torch
 
 @dataclass
 class AsymmetricConfig:
-    """Whether the critic reads the simulator's state (read by ``residual_step/td3`` and ``chain/ppo``)."""
+    """Whether the critic reads the simulator's state (read by the visual methods: ``chain/ppo``, ``residual_step``)."""
 
     asymmetric_critic: bool = False  # the critics read ManiSkill's state, the actor the camera (a visual policy only)
 

@@ -33,8 +33,8 @@ class RolloutBuffer:
     ends: torch.Tensor            # [T, N]  bool (terminated or truncated)
     weights: torch.Tensor         # [T, N]  1 = a live decision, 0 = an env idling after its episode (GRPO)
     policy_time: float = 0.0      # seconds of the rollout spent in the policy (chain, values)
-    states: torch.Tensor | None = None       # [T, N, P]  an asymmetric V's simulator states (flowlib.asymmetric)
-    next_states: torch.Tensor | None = None  # [T, N, P]  ... after the decision (an ended env: its last)
+    states: torch.Tensor | None = None       # [T, N, C]  what an asymmetric V reads beside obs (flowlib.asymmetric)
+    next_states: torch.Tensor | None = None  # [T, N, P]  chain PPO's: the simulator state after the decision
 
     def flat(self, advantages: torch.Tensor, returns: torch.Tensor) -> dict[str, torch.Tensor]:
         n = self.rewards.numel()

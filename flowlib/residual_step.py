@@ -48,7 +48,7 @@ import time
 import torch
 import torch.nn as nn
 
-from .asymmetric import CriticStateNorm
+from .asymmetric import CriticStateNorm, privileged_width
 from .buffers import ReplayBuffer, RolloutBuffer
 from .flow_sde import gaussian_entropy, gaussian_log_prob
 from .learners import PPOLearner
@@ -194,8 +194,8 @@ class StepResidualPPOAgent(StepResidualAgent):
 
     CLIP_EXPLORATION = False  # r is drawn unclipped, so the Gaussian density PPO scores is exact
 
-    def _build_critics(self, hidden: tuple[int, ...]) -> None:
-        self.state_value = mlp([self.state_dim, *hidden, 1], act=nn.Mish)
+    def _build_critics(self, hidden: tuple[int, ...]) -> None:  # V(c): c = s, or (state, a_b) when asymmetric
+        self.state_value = mlp([self.critic_dim, *hidden, 1], act=nn.Mish)
 
     def value_parameters(self):
         return list(self.state_value.parameters())
@@ -220,9 +220,12 @@ class StepResidualPPOAgent(StepResidualAgent):
         """``StepCollector``'s env steps (each field ``[T, N, ...]``) as a ``RolloutBuffer`` of decisions: ``obs`` the
         state ``s``, ``chains`` ``r [1, A]`` and its log-prob (the policy has not moved since it drew ``r``), ``V(s)``,
         ``V(s')``, and ``discounts`` = ``bootstrap`` = ``gamma (1 - terminal)`` (``gamma > 0``: only a termination
-        zeroes it)."""
+        zeroes it).  An asymmetric ``V`` (``privileged_dim``) reads ``c = critic_state(s, state, a_b)`` instead, kept as
+        the buffer's ``states``; its normaliser is fitted on the first rollout's states."""
         device = self.explore_std.device
         T, N = steps["reward"].shape
+        if not self.critic_state_fitted:
+            self.fit_critic_normalizer(steps["priv"].flatten(0, 1))
 
         def state(obs, base):  # [T, N, To, O], [T, N, A] -> [T*N, S]
             return self.state(obs.flatten(0, 1).to(device), base.flatten(0, 1).to(device))
@@ -235,16 +238,23 @@ class StepResidualPPOAgent(StepResidualAgent):
         stochastic = torch.ones(T * N, 1, dtype=torch.bool, device=device)
         step_lp, _ = self.residual_log_probs(s, chains, stochastic)
         log_prob = self.joint_log_prob(step_lp, stochastic, chains)                          # [T*N]
-        value, next_value = self.state_value(s)[:, 0], self.state_value(s_next)[:, 0]      # [T*N]
+        c, c_next = s, s_next
+        if self.privileged_dim:  # [T*N, P + A]
+            c = self.critic_state(s, steps["priv"].flatten(0, 1).to(device), steps["base"].flatten(0, 1).to(device))
+            c_next = self.critic_state(s_next, steps["next_priv"].flatten(0, 1).to(device),
+                                       steps["next_base"].flatten(0, 1).to(device))
+        value, next_value = self.state_value(c)[:, 0], self.state_value(c_next)[:, 0]      # [T*N]
         return RolloutBuffer(obs=per_env(s), chains=per_env(chains), stochastic=per_env(stochastic),
                              step_log_probs=per_env(step_lp), log_probs=per_env(log_prob), values=per_env(value),
                              rewards=steps["reward"], discounts=steps["bootstrap"], next_values=per_env(next_value),
-                             terminal=steps["bootstrap"] == 0, ends=steps["end"], weights=torch.ones(T, N))
+                             terminal=steps["bootstrap"] == 0, ends=steps["end"], weights=torch.ones(T, N),
+                             states=per_env(c) if self.privileged_dim else None)
 
 
 class _PPOView:
     """What ``flowlib.ppo.ppo_update`` reads of an agent, for the per-step residual's decisions: ``obs`` is the state
-    ``s``, ``value`` is ``V_psi(s)``, a chain is ``r [1, A]``."""
+    ``s``, ``value`` is ``V_psi(s)`` (an asymmetric one's: ``V_psi(c)``, ``c`` the batch's ``states``), a chain is
+    ``r [1, A]``."""
 
     def __init__(self, agent: StepResidualPPOAgent):
         self.agent = agent
@@ -252,8 +262,8 @@ class _PPOView:
         self.value_parameters, self.joint_log_prob = agent.value_parameters, agent.joint_log_prob
         self.step_log_probs = agent.residual_log_probs
 
-    def value(self, s: torch.Tensor) -> torch.Tensor:  # [B, S] -> [B]
-        return self.agent.state_value(s).squeeze(-1)
+    def value(self, s: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:  # [B, S] (, [B, C]) -> [B]
+        return self.agent.state_value(s if c is None else c).squeeze(-1)
 
 
 class NStepReturns:
@@ -397,11 +407,13 @@ class _Steps(list):
         self.append(row)
 
 
-def step_ppo_agent(policy, cfg) -> StepResidualPPOAgent:
-    """The per-step residual agent that PPO learns (``cfg``'s ``ResidualConfig``) over a frozen stage-1/2 ``policy``."""
+def step_ppo_agent(policy, cfg, state_dim: int = 0) -> StepResidualPPOAgent:
+    """The per-step residual agent that PPO learns (``cfg``'s ``ResidualConfig``) over a frozen stage-1/2 ``policy``;
+    ``state_dim``: the env's state width, which ``V`` reads with ``asymmetric_critic`` (``flowlib.asymmetric``)."""
     return StepResidualPPOAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
                                 tuple(cfg.value_hidden_dims), cfg.residual_bound, tuple(cfg.residual_hidden_dims),
-                                correct_gripper=cfg.residual_gripper, act_horizon=cfg.act_horizon, obs_clip=cfg.obs_clip)
+                                correct_gripper=cfg.residual_gripper, act_horizon=cfg.act_horizon, obs_clip=cfg.obs_clip,
+                                privileged_dim=privileged_width(cfg, policy.meta, state_dim))
 
 
 def step_ppo_learner(agent: StepResidualPPOAgent, cfg) -> PPOLearner:

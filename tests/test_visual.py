@@ -189,7 +189,7 @@ def test_chain_ppos_asymmetric_value_reads_the_state_fits_what_only_it_holds_and
     for bad, match in (({"critic_input": "velocity_features"}, "critic_input must be 'obs'"),
                        ({"branches": 2, "advantage": "branch"}, "use branches: 1"),
                        ({"steer": "latent"}, "does not read asymmetric_critic .AsymmetricConfig, read by steer/learner "
-                                             "chain/ppo, residual_step/td3")):
+                                             "chain/ppo, residual_step/td3, residual_step/ppo")):
         with pytest.raises(ValueError, match=match):
             dataclasses.replace(cfg, **bad)
     g = torch.Generator().manual_seed(0)
@@ -222,6 +222,31 @@ def test_chain_ppos_asymmetric_value_reads_the_state_fits_what_only_it_holds_and
         stats = [ppo.ppo_update(agent, batch, opt_a, opt_c, cfg, train_policy=False) for _ in range(300)]
         losses[asymmetric] = stats[-1]["value_loss"]
     assert losses[True] < 0.1 * losses[False]
+
+
+def test_per_step_residual_ppos_asymmetric_value_reads_the_normalised_state_beside_the_base_action():
+    policy = tiny_visual_policy(RGB)
+    cfg = stage3.Stage3Config(steer="residual_step", learner="ppo", num_inference_steps=4, value_hidden_dims=[16],
+                              residual_hidden_dims=[16], asymmetric_critic=True)
+    agent = stage3.make_agent(policy, cfg, state_dim=7)
+    assert agent.state_value[0].in_features == 7 + 4
+    g = torch.Generator().manual_seed(0)
+    T, N = 3, 4
+    frames = torch.rand(T, N, 2, RGB.dim, generator=g) * 255
+    observed = agent.observe(frames.flatten(0, 1)).reshape(T, N, -1)
+    priv = torch.randn(T, N, 7, generator=g) * 5 + 2
+    steps = dict(obs=observed, next_obs=observed, base=torch.randn(T, N, 4, generator=g),
+                 next_base=torch.randn(T, N, 4, generator=g), latent=torch.zeros(T, N, 4), reward=torch.zeros(T, N),
+                 bootstrap=torch.full((T, N), 0.9), end=torch.zeros(T, N, dtype=torch.bool), priv=priv,
+                 next_priv=priv.flip(0))
+    buf = agent.score_rollout(steps)
+    assert bool(agent.critic_obs_fitted) and torch.allclose(agent.critic_obs_mean, priv.flatten(0, 1).mean(0))
+    assert buf.states.shape == (T, N, 7 + 4)
+    assert torch.allclose(buf.states[..., :7], (priv - agent.critic_obs_mean) / agent.critic_obs_std)
+    view = agent.ppo_view()
+    assert torch.allclose(buf.values, view.value(buf.obs.flatten(0, 1), buf.states.flatten(0, 1)).reshape(T, N))
+    with pytest.raises(ValueError, match="this start policy reads the state already"):
+        stage3.make_agent(tiny_policy()[0], cfg, state_dim=42)
 
 
 # ----------------------------------------------------------------------------------------------- on a real env
