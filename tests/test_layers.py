@@ -16,7 +16,7 @@ LAYERS = {
              "sysdeps"},
     "world": {"tasks", "fast_envs", "visual", "envs", "data", "visual_demos", "smdp"},
     "policy": {"encoders", "policy_eval", "bc", "critic", "awsc"},
-    "rl core": {"ppo", "buffers", "loop", "learners"},
+    "rl core": {"ppo", "buffers", "loop", "learners", "asymmetric"},
     "methods": {"reinflow_agent", "reinflow", "steering", "latent", "latent_sac", "residual", "residual_step", "residual_td3",
                 "gaussian", "rfc", "fql"},
     "registry": {"stage3"},
