@@ -12,7 +12,7 @@ observation windows, with as targets
 
 It reports, on 512 other demo windows with fixed ``x_0`` draws, the drift of the deterministic executed chunk from
 the start's (mean squared, normalised action units) and its error against the demos' executed actions. Every source
-is reflowed from the same weights and minibatch draws, so the rows differ only in the targets; every row's mask
+is reflowed from the same weights, minibatches and loss draws, so the rows differ only in the targets; every row's mask
 keeps all windows (RFC's masks choose which of the chunks, not what they carry).
 
     .venv/bin/python benchmarks/rfc_target_noise.py --params params/06_steering/pickcube_rfc/success_only.yaml \\
@@ -56,10 +56,9 @@ def main(argv: list[str] | None = None) -> dict:
     path = stage3.init_checkpoint_path(cfg)
     torch.manual_seed(args.seed)
     start, _ = stage3.build_agent(cfg, path)
-    policy = bc.load_policy(path)
-    dataset = ChunkDataset(bc.training_demos(path), policy.obs_horizon, policy.pred_horizon,
-                           gripper=not is_fast(policy.meta["env_id"]))
-    obs_n, act_n = dataset.tensors(policy.obs_normalizer, policy.action_normalizer)  # [N, To, O], [N, H, A]
+    dataset = ChunkDataset(bc.training_demos(path), start.obs_horizon, start.pred_horizon,
+                           gripper=not is_fast(start.meta["env_id"]))
+    obs_n, act_n = dataset.tensors(start.obs_normalizer, start.action_normalizer)  # [N, To, O], [N, H, A]
     gen = torch.Generator().manual_seed(args.seed)
     perm = torch.randperm(len(obs_n), generator=gen)
     ev, tr = perm[:512], perm[512:512 + args.windows]
@@ -77,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
         agent = copy.deepcopy(start)
         agent.set_max_noise_std(std)
         with torch.no_grad():  # the agent normalises raw windows itself
-            chain, _ = agent.sample(policy.obs_normalizer.unnormalize(obs_n[tr]), generator=gen)
+            chain, _ = agent.sample(agent.obs_normalizer.unnormalize(obs_n[tr]), generator=gen)
         return chain[:, -1]
 
     rows = [("demos", 0.0), ("ode", 0.0), *[("chain", s) for s in args.std]]
@@ -90,6 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
         learner = RFCLearner(agent, cfg)
         learner.build_optimizers()
         y, o = targets(source, std), obs_n[tr].clamp(-agent.obs_clip, agent.obs_clip)
+        torch.manual_seed(args.seed)  # the loss's own draws (t, noise) the same in every row
         losses = []
         for b in batches:
             loss, _ = learner.flow.loss(y[b], obs=o[b])
