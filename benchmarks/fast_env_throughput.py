@@ -43,6 +43,7 @@ def main(argv=None) -> list[dict]:
                                       num_inference_steps=args.K)
             agent, _ = stage3.build_agent(cfg, stage3.init_checkpoint_path(cfg), env.spec)
             agent.to(env.device)
+            bench.overhead(agent, env, 1)  # untimed: CUDA's first launches (and caches) would count in the first row
             row = bench.overhead(agent, env, args.decisions)
             loop_policy = row["policy_ms_per_env_step"] / (1e3 / row["loop_env_steps_per_s"])
             rows.append({"task": args.task, "num_envs": n, "raw_env_steps_per_s": 1e3 / row["raw_step_ms"],

@@ -10,7 +10,7 @@ runs use, with only the env count, the budget and the device changed:
    ``--eval-every`` iterations, stopped at ``--budget`` env steps; the wall time and env steps at which validation
    first reached ``--level``.
 
-    .venv/bin/python benchmarks/gpu_fast_push.py                          # on the GPU machine (about 10 minutes)
+    .venv/bin/python benchmarks/gpu_fast_push.py                          # on the GPU machine (~4 min on an H200)
     .venv/bin/python benchmarks/gpu_fast_push.py --backend torch_cpu --num-envs 256 --train-envs 256 \\
         --budget 409600 --level 0.5 --run-name cpu_check                  # the same path on CPU, in a minute
 

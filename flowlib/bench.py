@@ -22,23 +22,32 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def _synchronizer(device):
+    """A function that waits for ``device``'s queued kernels (CUDA), or does nothing (CPU)."""
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+
 def overhead(agent, env, decisions: int = 8, seed: int = 0) -> dict[str, float]:
     """Time per env step of the raw simulator (random actions) vs of the policy's share in the loop (a chunk-level
     agent's ``reinflow.collect``: noisy chain sampling, values, bookkeeping; a per-step residual's
     ``StepCollector``: the base chunks and a correction per env step; FQL's ``collect``), from ``decisions`` chunk decisions of each."""
     N, Ta = env.num_envs, agent.act_horizon
     steps = decisions * Ta * N
+    sync = _synchronizer(env.device)  # CUDA runs asynchronously: a clock read after a launch times the launch alone
     env.reset(seed=seed)
     raw = 0.0
     for i in range(decisions * Ta):
         action = torch.rand(N, env.spec.action_dim, device=env.device) * 2 - 1
+        sync()
         t0 = time.time()
         _, _, term, trunc, _ = env.step(action)
+        sync()
         raw += time.time() - t0
         if (term | trunc).any():  # past the time limit: new episodes (not timed)
             env.reset(seed=seed + i + 1)
     raw /= steps
     runner = ChunkRunner(env, agent.obs_horizon, 0.99, first_seed=seed)
+    sync()
     t0 = time.time()
     if isinstance(agent, StepResidualAgent):
         policy_time = StepCollector(agent, runner, torch.Generator().manual_seed(seed)).collect(
@@ -48,6 +57,7 @@ def overhead(agent, env, decisions: int = 8, seed: int = 0) -> dict[str, float]:
                                   torch.Generator().manual_seed(seed))
     else:
         policy_time = collect(agent, runner, decisions, torch.Generator().manual_seed(seed)).policy_time
+    sync()
     total = time.time() - t0
     return {"num_envs": N, "raw_step_ms": 1e3 * raw, "policy_ms_per_env_step": 1e3 * policy_time / steps,
             "overhead_fraction": (policy_time / steps) / raw, "loop_env_steps_per_s": steps / total}

@@ -101,12 +101,18 @@ class FastVecEnv:
 
     # the interface
     def _reset_rows(self, rows: list[int], seeds: list[int]) -> None:
-        for i, s in zip(rows, seeds):
+        """Episode ``rows[j]`` from ``seeds[j]`` alone: each is drawn on the CPU from its own generator, then every
+        state key is written in one copy (on CUDA, not one small copy and index kernel per env and key)."""
+        initial, demo_params = [], []
+        for s in seeds:
             gen = torch.Generator().manual_seed(int(s))
-            for k, v in self._initial(gen).items():
-                self.state[k][i] = v.to(self.device)
-            self.demo_params[i] = torch.rand(2, generator=gen).to(self.device)
-        self.elapsed[rows] = 0
+            initial.append(self._initial(gen))
+            demo_params.append(torch.rand(2, generator=gen))
+        index = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        for k in initial[0]:
+            self.state[k][index] = torch.stack([x[k] for x in initial]).to(self.device)
+        self.demo_params[index] = torch.stack(demo_params).to(self.device)
+        self.elapsed[index] = 0
 
     def reset(self, seed: int | list[int] | None = None) -> torch.Tensor:
         """New episodes in every env: env ``i`` from ``seed + i`` (or ``seed[i]``; random seeds when None)."""

@@ -97,7 +97,7 @@ class ChunkRunner:
         self.reach_sharpness = reach_sharpness
         N = env.num_envs
         self.next_seed = first_seed + N
-        obs = env.reset(seed=first_seed)
+        obs = env.reset(seed=first_seed).cpu()  # the rollout's bookkeeping is on the CPU, whatever the env's device
         self.window = obs[:, None].repeat(1, obs_horizon, 1)  # [N, To, O]
         self.privileged = self._privileged(N)                 # [N, P]
         self.ep_return = torch.zeros(N)
@@ -153,10 +153,11 @@ class ChunkRunner:
         out = {"reward": reward, "discount": discount, "terminal": terminal, "end": end, "next_window": window,
                "next_privileged": privileged}
         self.window, self.privileged = window.clone(), privileged.clone()
-        for i in torch.nonzero(end).squeeze(1).tolist():
-            self.finished.append({"return": float(self.ep_return[i]), "success_once": bool(self.ep_success[i]),
-                                  "length": int(self.ep_length[i]),
-                                  **{f"{name}_once": bool(f) for name, f in zip(self.flag_names, self.ep_flags[i])}})
+        ended_rows = torch.nonzero(end).squeeze(1)  # one conversion per field: thousands of envs end together
+        flag_keys = [f"{name}_once" for name in self.flag_names]
+        for ret, success, length, flags in zip(self.ep_return[ended_rows].tolist(), self.ep_success[ended_rows].tolist(),
+                                               self.ep_length[ended_rows].tolist(), self.ep_flags[ended_rows].tolist()):
+            self.finished.append({"return": ret, "success_once": success, "length": length, **dict(zip(flag_keys, flags))})
         if not auto_reset:
             self.active &= ~end
         elif end.any():

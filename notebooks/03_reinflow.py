@@ -108,7 +108,7 @@ print(f"run folder: {runs.shown(run_path)}; from {runs.shown(init_path)}; {env.n
 # executed action.
 
 # %%
-obs = env.reset(seed=cfg.eval_seed)
+obs = env.reset(seed=cfg.eval_seed).cpu()                       # [N, O]; the agent is on the CPU until training
 window = obs[:, None].repeat(1, agent.obs_horizon, 1)            # [N, To, O]
 one = window[:1].repeat(16, 1, 1)                                # [16, To, O]: the same observation
 x0 = torch.randn(1, agent.pred_horizon, agent.action_dim, generator=torch.Generator().manual_seed(cfg.seed))
