@@ -131,6 +131,59 @@ def test_rfc_reflows_the_velocity_net_on_the_kept_decisions_of_a_real_rollout(tm
     assert all(torch.equal(a, b) for a, b in zip(noise, agent.actor.noise_net.parameters()))
 
 
+def test_rfc_remembers_the_newest_kept_decisions_waits_for_enough_and_mixes_in_the_starts_demos(tmp_path,
+                                                                                              monkeypatch):
+    """``rfc_buffer`` keeps the newest kept decisions over iterations, ``rfc_min_kept`` holds the reflow back until
+    that many are at hand, ``rfc_demo_fraction`` fills that share of each minibatch with the start's demo windows,
+    and the remembered decisions travel with the learner's state (a resumed run has them)."""
+    from types import SimpleNamespace
+
+    from flowlib import loop
+    tiny_start(tmp_path, monkeypatch)
+    cfg = tiny_chain_config(1, learner="rfc", rfc_mask="advantage_positive", reward="sparse", rfc_buffer=5,
+                            rfc_min_kept=10**6, rfc_demo_fraction=0.5, actor_lr=1e-3)
+    agent, _ = stage3.build_agent(cfg, stage3.init_checkpoint_path(cfg))
+    learner = stage3.make_learner(agent, cfg)
+    learner.build_optimizers()
+    To, O, H, A = agent.obs_horizon, agent.obs_dim, agent.pred_horizon, agent.action_dim
+    assert learner.demos["obs"].shape[1:] == (To, O) and learner.demos["chunks"].shape[1:] == (H, A)
+
+    def rollout(first: float, T: int = 2, N: int = 2):  # rows numbered from ``first``, in their last chain state
+        rows = first + torch.arange(T * N, dtype=torch.float32).reshape(T, N)
+        return SimpleNamespace(rewards=torch.zeros(T, N), obs=rows[..., None, None].expand(T, N, To, O),
+                               chains=rows[..., None, None, None].expand(T, N, 3, H, A))
+
+    learner._keep(rollout(0), torch.tensor([True, True, True, False]))        # rows 0, 1, 2
+    learner._keep(rollout(10), torch.tensor([True, True, True, True]))        # rows 10-13: 6 kept, the newest 5 stay
+    assert learner.kept["chunks"][:, 0, 0].tolist() == [2, 10, 11, 12, 13]
+    assert learner.kept["obs"][:, 0, 0].tolist() == [2, 10, 11, 12, 13]
+
+    batches = []
+    loss = learner.flow.loss
+    monkeypatch.setattr(learner.flow, "loss", lambda chunks, obs: batches.append(chunks.clone()) or loss(chunks, obs=obs))
+    learner.gen = torch.Generator().manual_seed(0)
+    velocity = [p.detach().clone() for p in agent.actor.base.parameters()]
+    learner._reflow()
+    (batch,) = batches  # minibatch 40: 20 demo rows, and the 5 remembered decisions in the other 20 places
+    assert len(batch) == 25 and sorted(batch[:5, 0, 0].tolist()) == [2, 10, 11, 12, 13]
+    demo_rows = learner.demos["chunks"].flatten(1)
+    assert all((demo_rows == row.flatten()).all(1).any() for row in batch[5:])
+    assert any(not torch.equal(a, b) for a, b in zip(velocity, agent.actor.base.parameters()))
+
+    restored = stage3.make_learner(agent, cfg)
+    restored.load_state(learner.state(), "last.pt")
+    assert torch.equal(restored.kept["chunks"], learner.kept["chunks"])
+
+    # a real rollout: the kept decisions are added, and with fewer than rfc_min_kept at hand the flow is not moved
+    with make_env("FastReach-v0", 16, max_episode_steps=40) as env:
+        learner.start(loop.learning_runner(cfg, env, To, first_seed=0), torch.Generator().manual_seed(0))
+        _, buf, _ = learner.collect()
+        before = [p.detach().clone() for p in agent.actor.base.parameters()]
+        stats = learner.update(buf, train_policy=True)
+    assert stats["reflow_kept"] == 5 and "reflow_loss" not in stats
+    assert all(torch.equal(a, b) for a, b in zip(before, agent.actor.base.parameters()))
+
+
 def test_fql_trains_offline_on_the_start_checkpoints_demos_then_online_from_a_replay_seeded_with_them(tmp_path,
                                                                                                        monkeypatch):
     """Steer ``one_step`` / learner ``fql``: ``build_agent`` runs the offline phase once (marked in the weights), the
