@@ -85,7 +85,10 @@
 # **The comparison's other rows** (`flowlib.rfc`, `flowlib.fql`, `flowlib.gaussian`). Three more registry entries ask
 # what the flow and its fine-tuning buy. RFC (`steer = "chain"`, `learner = "rfc"`) rolls out the noisy chain as
 # ReinFlow does, keeps the decisions a mask picks (`rfc_mask`: the episode succeeded, $A > 0$, or the top share by
-# $A$), and trains the flow on their chunks with stage 1's ShortCut loss: no ratio, no likelihood. FQL (`steer =
+# $A$), and trains the flow on their chunks with stage 1's ShortCut loss: no ratio, no likelihood. Where a mask keeps
+# few decisions per rollout (PickCube at CPU scale), `rfc_buffer`, `rfc_min_kept` and `rfc_demo_fraction` remember
+# them over iterations, wait for a minibatch of them and mix the start's demos in
+# (`params/06_steering/pickcube_rfc_anchored/`). FQL (`steer =
 # "one_step"`, `learner = "fql"`) distils the frozen flow into a one-step policy $\mu_\omega(s, z)$ pushed up a
 # critic, $-Q(s, \mu_\omega(s, z))/|Q| + \alpha\,|\mu_\omega(s, z) - \mu_\theta(s, z)|^2$, offline on the demos
 # (before the run: the "before" row), then online from a replay seeded with them. The Gaussian baseline (`steer =
