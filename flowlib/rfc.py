@@ -116,7 +116,8 @@ class RFCLearner(PPOLearner):
         agent, cfg = self.agent, self.cfg
         device = next(agent.parameters()).device
         obs, chunks = self.kept["obs"].to(device), self.kept["chunks"].to(device)
-        n_demo = round(cfg.minibatch_size * cfg.rfc_demo_fraction) if self.demos is not None else 0
+        n_demo = 0 if self.demos is None else min(round(cfg.minibatch_size * cfg.rfc_demo_fraction),
+                                                  cfg.minibatch_size - 1)  # at least one kept decision a batch
         per_batch = cfg.minibatch_size - n_demo
         losses = []
         for epoch in range(cfg.rfc_epochs):

@@ -4,6 +4,8 @@ cloned policy by a margin many standard errors wide, and the same run on flipped
 The whole pipeline at small size: scripted demos, ShortCut BC with an MLP velocity net, then stage 3 through
 ``flowlib.stage3`` (``params/03_reinflow/fast_reach.yaml``'s batch of 2,560 decisions, ``fast_reach_mlp.yaml``'s learning rate), each policy scored on the
 same held-out episodes."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -169,6 +171,11 @@ def test_rfc_remembers_the_newest_kept_decisions_waits_for_enough_and_mixes_in_t
     demo_rows = learner.demos["chunks"].flatten(1)
     assert all((demo_rows == row.flatten()).all(1).any() for row in batch[5:])
     assert any(not torch.equal(a, b) for a, b in zip(velocity, agent.actor.base.parameters()))
+    batches.clear()  # a share that rounds to the whole minibatch still leaves one place for a kept decision
+    learner.cfg = dataclasses.replace(cfg, rfc_demo_fraction=0.99)
+    learner._reflow()
+    assert [len(b) for b in batches] == [40] * 5
+    learner.cfg = cfg
 
     restored = stage3.make_learner(agent, cfg)
     restored.load_state(learner.state(), "last.pt")
