@@ -26,8 +26,6 @@ import copy
 import torch
 
 from flowlib import bc, config, stage3
-from flowlib.data import ChunkDataset
-from flowlib.envs import is_fast
 from flowlib.rfc import RFCLearner
 from flowlib.runs import run_dir, save_json
 
@@ -56,9 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     path = stage3.init_checkpoint_path(cfg)
     torch.manual_seed(args.seed)
     start, _ = stage3.build_agent(cfg, path)
-    dataset = ChunkDataset(bc.training_demos(path), start.obs_horizon, start.pred_horizon,
-                           gripper=not is_fast(start.meta["env_id"]))
-    obs_n, act_n = dataset.tensors(start.obs_normalizer, start.action_normalizer)  # [N, To, O], [N, H, A]
+    obs_n, act_n = bc.training_windows(path, start)  # [N, To, O], [N, H, A]
     gen = torch.Generator().manual_seed(args.seed)
     perm = torch.randperm(len(obs_n), generator=gen)
     ev, tr = perm[:512], perm[512:512 + args.windows]

@@ -290,6 +290,15 @@ def training_demos(path: str | Path) -> list[Episode]:
     return load_demos(demo_path, max_episodes=None if from_file else config["num_demos"])
 
 
+def training_windows(path: str | Path, policy) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every training window of ``training_demos(path)``, normalised by ``policy``'s normalisers (a policy or agent
+    with ``obs_horizon``, ``pred_horizon``, ``meta["env_id"]``): ``obs [N, To, O]`` and ``chunks [N, H, A]``: what RFC
+    mixes into its reflow."""
+    dataset = ChunkDataset(training_demos(path), policy.obs_horizon, policy.pred_horizon,
+                           gripper=not is_fast(policy.meta["env_id"]))
+    return dataset.tensors(policy.obs_normalizer, policy.action_normalizer)
+
+
 def demo_dataset(cfg) -> tuple[ChunkDataset | VisualChunkDataset, list[Episode]]:
     """Stage 1's training windows from ``cfg``'s demos (``demo_file``, or ``num_demos`` generated and cached) and the
     state episodes they come from; a visual ``obs_mode`` renders the demos into it first (``replay_visual``, cached)."""

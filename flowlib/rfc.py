@@ -33,8 +33,6 @@ import torch.nn as nn
 from . import bc
 from .config import Fraction, NonNegativeInt, PositiveInt
 from .critic import RFC_MASKS, rfc_mask  # the masks live beside AW-ShortCut's weights (notebook 02 uses both)
-from .data import ChunkDataset
-from .envs import is_fast
 from .flows import ShortCut
 from .guards import require_finite
 from .learners import PPOLearner
@@ -150,10 +148,7 @@ class RFCLearner(PPOLearner):
 def start_demo_chunks(agent, cfg) -> dict[str, torch.Tensor]:
     """Stage 1's training windows of the start checkpoint: raw ``obs [N, To, O]`` and ``chunks [N, H, A]``
     normalised by the agent's action normaliser, as the rollouts' ``x_K`` are (on the CPU)."""
-    path = policy_checkpoint(cfg.init_checkpoint, "init_checkpoint")
-    dataset = ChunkDataset(bc.training_demos(path), agent.obs_horizon, agent.pred_horizon,
-                           gripper=not is_fast(agent.meta["env_id"]))
-    obs_n, chunks = dataset.tensors(agent.obs_normalizer, agent.action_normalizer)  # [N, To, O], [N, H, A]
+    obs_n, chunks = bc.training_windows(policy_checkpoint(cfg.init_checkpoint, "init_checkpoint"), agent)
     with torch.no_grad():
         return {"obs": agent.obs_normalizer.unnormalize(obs_n).cpu(), "chunks": chunks.cpu()}
 
