@@ -57,12 +57,24 @@ def set_act_horizon(policy, act_horizon: int) -> None:
     policy.act_horizon = bc.check_act_horizon(act_horizon, policy.obs_horizon, policy.pred_horizon)
 
 
-def label(path: str | Path, act_horizon: int | None = None, noisy: bool = False) -> str:
-    """``<run>/<file>`` (e.g. ``cpu_dense_150k_s0/last.pt``), short and unique across runs; ``@ah<n>`` with an
-    act-horizon override, ``@noisy`` for a stage-3 policy run with its exploration noise."""
-    path = Path(path)
-    return (f"{path.parent.name}/{path.name}" + ("" if act_horizon is None else f"@ah{act_horizon}")
-            + ("@noisy" if noisy else ""))
+def labels(paths: list[str | Path]) -> dict[Path, str]:
+    """A short, unique name per checkpoint: ``<run>/<file>`` (e.g. ``cpu_dense_150k_s0/last.pt``), with as many
+    more parent folders as it takes to tell two apart (``push_cube_cpu/seed_0/last.pt`` next to
+    ``push_cube_cpu_demos_control/seed_0/last.pt``).  The same file given twice is an error."""
+    parts = [Path(p).parts for p in paths]
+    if len(set(parts)) != len(parts):
+        raise ValueError(f"a checkpoint is given twice ({[str(p) for p in paths]}); give each once")
+    names = {}
+    for p in parts:
+        n = next((n for n in range(min(2, len(p)), len(p)) if all(p[-n:] != q[-n:] for q in parts if q != p)), len(p))
+        names[Path(*p)] = "/".join(p[-n:])
+    return names
+
+
+def label(name: str, act_horizon: int | None = None, noisy: bool = False) -> str:
+    """A row's name: the checkpoint's (``labels``), ``@ah<n>`` with an act-horizon override, ``@noisy`` for a
+    stage-3 policy run with its exploration noise."""
+    return name + ("" if act_horizon is None else f"@ah{act_horizon}") + ("@noisy" if noisy else "")
 
 
 def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, seed: int, inference_steps: int,
@@ -75,9 +87,8 @@ def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, 
     same noise stream; stage-1/2 checkpoints, which have no exploration noise, stay deterministic.
     ``fresh_scene`` (default: on ``physx_cpu``) rebuilds the scene at every reset, so that a checkpoint's
     episodes do not depend on the ones run before them (``flowlib.envs``)."""
+    names = labels(paths)
     loaded = {p: load_checkpoint_policy(p, noisy) for p in paths}
-    if len({label(p) for p in paths}) != len(paths):
-        raise ValueError("two checkpoints share a <run>/<file> label; evaluate them in separate calls")
     horizons = act_horizons or [None]
     if len(set(horizons)) != len(horizons):
         raise ValueError(f"act horizons {horizons} repeat a value; give each once")
@@ -108,7 +119,7 @@ def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, 
                 if explores:
                     policy.explore = torch.Generator().manual_seed(seed)
                 result = bc.evaluate(policy, env, episodes, inference_steps, seed=seed)
-                results[label(path, ah, explores)] = {**result, "act_horizon": policy.act_horizon}
+                results[label(names[Path(path)], ah, explores)] = {**result, "act_horizon": policy.act_horizon}
     return results
 
 

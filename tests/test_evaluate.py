@@ -72,3 +72,18 @@ def test_act_horizon_override_re_plans_and_rejects_what_the_chunk_lacks(tmp_path
     assert [(r["policy"], r["act_horizon"]) for r in rows] == [("a/best_model.pt@ah8", "8"), ("a/best_model.pt@ah3", "3")]
     assert evaluate.main([ckpt, "--act-horizon", "16"]) == 2  # pred 16 - obs 2 + 1 = 15 actions at most
     assert "act_horizon=16 is outside [1, 15]" in capsys.readouterr().err
+
+
+def test_labels_take_as_many_parent_folders_as_it_takes_to_tell_checkpoints_apart():
+    from pathlib import Path
+    paths = [Path("outputs/01_shortcut_bc/push_cube_cpu/best_model.pt"),
+             Path("outputs/02_aw_shortcut/push_cube_cpu/seed_0/last.pt"),
+             Path("outputs/02_aw_shortcut/push_cube_cpu_demos_control/seed_0/last.pt"),
+             Path("outputs/06_steering/run_s0/last.pt")]
+    assert list(evaluate.labels(paths).values()) == ["push_cube_cpu/best_model.pt", "push_cube_cpu/seed_0/last.pt",
+                                                     "push_cube_cpu_demos_control/seed_0/last.pt", "run_s0/last.pt"]
+    assert list(evaluate.labels([Path("a/b/last.pt"), Path("x/a/b/last.pt")]).values()) == ["a/b/last.pt",
+                                                                                             "x/a/b/last.pt"]
+    assert evaluate.label("run_s0/last.pt", act_horizon=4, noisy=True) == "run_s0/last.pt@ah4@noisy"
+    with pytest.raises(ValueError, match="given twice"):
+        evaluate.labels([Path("r/last.pt"), Path("r/last.pt")])
