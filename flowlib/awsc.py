@@ -81,6 +81,7 @@ class AWShortCutConfig:
     fql_alpha: PositiveFloat = 10.0  # FQL's distillation weight against the normalised -Q
     fql_hidden_dims: list[PositiveInt] = field(default_factory=lambda: [256, 256, 256])  # FQL's one-step policy MLP
     # AW-ShortCut training (one run per training seed)
+    start_net: str = "ema"  # the stage-1 weights training goes on from: "ema" (the policy stage 1 scored) or "raw" (its live net)
     train_seeds: list[NonNegativeInt] = field(default_factory=lambda: [0])  # one AW-ShortCut training run per seed
     train_steps: PositiveInt = 200
     batch_size: PositiveInt = 128
@@ -110,6 +111,7 @@ class AWShortCutConfig:
             (self.critic in ("iql", "mc"), f"critic must be 'iql' or 'mc', got {self.critic!r}"),
             (self.reward in ("sparse", "dense"), f"reward must be 'sparse' or 'dense', got {self.reward!r}"),
             (self.weighting in ("exp", "softmax"), f"weighting must be 'exp' or 'softmax', got {self.weighting!r}"),
+            (self.start_net in ("ema", "raw"), f"start_net must be 'ema' or 'raw', got {self.start_net!r}"),
             (0 < self.expectile < 1, f"expectile must be in (0, 1), got {self.expectile}"),
             (self.gamma > 0, f"gamma must be in (0, 1], got {self.gamma}"),
             (self.holdout_fraction < 1, f"holdout_fraction must be in [0, 1), got {self.holdout_fraction}"),
@@ -172,14 +174,19 @@ def train_weighted(cfg: AWShortCutConfig, dataset, folder: Path, env, stage1_pat
                    name: str = "") -> tuple[dict[int, bc.FlowPolicy], dict[int, list[dict]]]:
     """The weighted ShortCut loss (``bc.train`` with ``weights``: AW-ShortCut's ``exp(beta A)`` or an RFC mask's)
     from the stage-1 checkpoint, once per training seed, under ``folder/seed_<s>/`` (each resumes from its
-    ``last.pt``).  Returns the policies and the logged rows, by seed."""
+    ``last.pt``).  Training goes on from the checkpoint's EMA weights (``start_net="ema"``), the policy stage 1 scored,
+    or from its raw net (``"raw"``; the stage-2 runs recorded before 2026-12-05).  Returns the policies and the logged
+    rows, by seed."""
     policies, rows = {}, {}
     for s in cfg.train_seeds:
         seed_cfg = dataclasses.replace(cfg, seed=s)
         seed_path = folder / f"seed_{s}"
         tracker = Tracker(seed_path, config.to_dict(seed_cfg), wandb_mode=cfg.wandb_mode, project="flowlib-02",
                           name="-".join(filter(None, [cfg.run_name, name, f"seed{s}"])), resume=cfg.resume)
-        policies[s], _ = bc.train(seed_cfg, dataset, seed_path, tracker, env=env, policy=bc.load_policy(stage1_path),
+        start = bc.load_policy(stage1_path)
+        if cfg.start_net == "ema":
+            start.flow.adopt_ema()
+        policies[s], _ = bc.train(seed_cfg, dataset, seed_path, tracker, env=env, policy=start,
                                   weights=weights, extra=extra, checkpoint_format=checkpoint_format)
         tracker.finish()
         rows[s] = tracker.rows

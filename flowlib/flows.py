@@ -104,6 +104,13 @@ class FlowModel(nn.Module):
     def sampling_net(self, use_ema: bool = True) -> nn.Module:
         return self.ema.module if (use_ema and self.ema is not None) else self.net
 
+    @torch.no_grad()
+    def adopt_ema(self) -> None:
+        """Copy the EMA weights into the live net (no-op without an EMA): a fine-tune then starts from the policy that
+        was scored (stage 1 evaluates and saves ``best_model.pt`` by its EMA), not from the raw net behind it."""
+        if self.ema is not None:
+            self.net.load_state_dict(self.ema.module.state_dict())
+
     def jump(self, dt: float) -> float:
         raise NotImplementedError
 

@@ -179,8 +179,7 @@ class ReinFlowAgent(CriticStateNorm, bc.ChunkPolicy):
         self.clip_chain_means = clip_chain_means
         meta = policy.meta
         flow = policy.flow
-        if flow.ema is not None:
-            flow.net.load_state_dict(flow.ema.module.state_dict())
+        flow.adopt_ema()  # the policy stage 1 scored
         self.meta, self.K = meta, num_inference_steps
         self.obs_normalizer, self.action_normalizer = policy.obs_normalizer, policy.action_normalizer
         self.obs_horizon, self.pred_horizon = meta["obs_horizon"], meta["pred_horizon"]

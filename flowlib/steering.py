@@ -49,8 +49,7 @@ class FrozenFlow(nn.Module):
         if not obs_clip >= 0:
             raise ValueError(f"obs_clip must be >= 0 (0: no clipping), got {obs_clip}")
         meta, flow = policy.meta, policy.flow
-        if flow.ema is not None:
-            flow.net.load_state_dict(flow.ema.module.state_dict())
+        flow.adopt_ema()  # the policy stage 1 scored
         self.meta, self.K, self.obs_clip = meta, num_inference_steps, float(obs_clip)
         self.obs_normalizer, self.action_normalizer = policy.obs_normalizer, policy.action_normalizer
         self.obs_horizon, self.pred_horizon = meta["obs_horizon"], meta["pred_horizon"]

@@ -94,6 +94,7 @@ rfc_topk: float = 0.25  # advantage_topk: the share of windows kept
 fql_offline_steps: int = 200  # FQL's offline updates on the same data, per training seed (0: no FQL row)
 fql_alpha: float = 10.0  # FQL's distillation weight against the normalised -Q
 fql_hidden_dims: list[int] = [256, 256, 256]  # FQL's one-step policy MLP
+start_net: str = "ema"  # the stage-1 weights training goes on from: "ema" (the policy stage 1 scored) or "raw" (its live net)
 train_seeds: list[int] = [0]  # one AW-ShortCut training run per seed
 train_steps: int = 200  # gradient steps
 batch_size: int = 128  # samples per gradient step

@@ -230,3 +230,25 @@ def test_config_rejects_an_unknown_rfc_mask():
         awsc.AWShortCutConfig(rfc_masks=["success_only", "top_half"])
     with pytest.raises(ValueError, match="rfc_topk"):
         awsc.AWShortCutConfig(rfc_topk=0.0)
+
+
+@pytest.mark.parametrize("start_net", ["ema", "raw"])
+def test_stage2_goes_on_from_the_weights_start_net_names(tmp_path, start_net):
+    """Stage 1 scores (and saves as best) its EMA; ``start_net="ema"`` fine-tunes that policy, ``"raw"`` the live net
+    behind it.  At a vanishing lr one step leaves the net where it started, so it must equal the chosen weights."""
+    dataset = ChunkDataset(two_outcome_data(6), 2, 8)
+    cfg1 = bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8, pred_horizon=8, act_horizon=4, train_steps=5,
+                               batch_size=8, warmup_steps=1, ckpt_every=5, log_every=1)
+    bc.train(cfg1, dataset, tmp_path / "s1")
+    stage1 = bc.load_policy(tmp_path / "s1" / "last.pt")
+    ema, raw = stage1.flow.ema.module.state_dict(), stage1.flow.net.state_dict()
+    assert any(not torch.allclose(ema[k], raw[k]) for k in raw)  # 5 steps at decay 0.995: the EMA lags the net
+    cfg2 = awsc.AWShortCutConfig(start_net=start_net, train_steps=1, batch_size=8, lr=1e-12, warmup_steps=0,
+                                 ckpt_every=1, log_every=1, num_eval_episodes=1, resume=False)
+    policies, _ = awsc.train_weighted(cfg2, dataset, tmp_path / "s2", None, tmp_path / "s1" / "last.pt",
+                                      torch.ones(len(dataset)), extra={})
+    trained = policies[0].cpu().flow.net.state_dict()
+    want = ema if start_net == "ema" else raw
+    assert all(torch.allclose(trained[k], want[k], atol=1e-6) for k in want)
+    with pytest.raises(ValueError, match="start_net must be 'ema' or 'raw'"):
+        awsc.AWShortCutConfig(start_net="best")

@@ -235,3 +235,15 @@ def test_a_diverging_2d_fit_stops_with_the_step_and_the_fix():
     cfg = Flows2DConfig(train_steps=50, lr=1e30, hidden=16, depth=2)
     with pytest.raises(FloatingPointError, match=r"two_moons ReFlow loss is (nan|inf) at step \d+: lower lr"):
         train_2d(build_model("reflow", cfg), "two_moons", cfg)
+
+
+def test_adopt_ema_makes_the_live_net_sample_as_the_ema_does():
+    torch.manual_seed(0)
+    model = ShortCut(ConditionalMLP(dim=2, hidden=8, depth=1), ema_decay=0.9)
+    with torch.no_grad():
+        for p in model.net.parameters():
+            p.add_(0.3)  # the live net drifts from its EMA
+    noise = torch.randn(16, 2)
+    assert not torch.allclose(model.sample(noise, 4, use_ema=False), model.sample(noise, 4, use_ema=True))
+    model.adopt_ema()
+    assert torch.allclose(model.sample(noise, 4, use_ema=False), model.sample(noise, 4, use_ema=True))
