@@ -4,8 +4,12 @@ Recipe (notebook 02):
 
 1. Data with contrast: the motion-planned demos plus rollouts of the stage-1 policy in the
    simulator, with and without exploration noise (``collect_rollouts``; cached under
-   ``outputs/data/<env>/`` in ManiSkill's trajectory format).  Every episode is cut after its
-   first success, which is terminal (``flowlib.critic.truncate_at_success``).
+   ``outputs/data/<env>/`` in ManiSkill's trajectory format).  For the critic every episode is cut after
+   its first success, which is terminal (``flowlib.critic.truncate_at_success``); the flow trains on the
+   episodes as recorded (``flow_episodes="uncut"``), each window after a success weighted as the decision
+   at the success step (``flowlib.critic.cut_window_index``).  Cutting the flow's episodes too
+   (``"cut"``, the runs recorded before 2026-12-05) teaches it to stop at the edge of success: on PushCube
+   that alone cost ~0.1 success (docs/results/tasks.md).
 2. A chunk-level critic on the SMDP transitions of that data (``flowlib.critic``: IQL by default,
    Monte Carlo for comparison), trained on a split of the episodes; held-out episodes measure it.
 3. AWR weights ``w = min(exp(beta A), w_max)`` per (observation window, action chunk) and the
@@ -82,6 +86,7 @@ class AWShortCutConfig:
     fql_hidden_dims: list[PositiveInt] = field(default_factory=lambda: [256, 256, 256])  # FQL's one-step policy MLP
     # AW-ShortCut training (one run per training seed)
     start_net: str = "ema"  # the stage-1 weights training goes on from: "ema" (the policy stage 1 scored) or "raw" (its live net)
+    flow_episodes: str = "uncut"  # the flow trains on episodes "uncut" (as recorded) or "cut" at the first success (as the critic)
     train_seeds: list[NonNegativeInt] = field(default_factory=lambda: [0])  # one AW-ShortCut training run per seed
     train_steps: PositiveInt = 200
     batch_size: PositiveInt = 128
@@ -112,6 +117,7 @@ class AWShortCutConfig:
             (self.reward in ("sparse", "dense"), f"reward must be 'sparse' or 'dense', got {self.reward!r}"),
             (self.weighting in ("exp", "softmax"), f"weighting must be 'exp' or 'softmax', got {self.weighting!r}"),
             (self.start_net in ("ema", "raw"), f"start_net must be 'ema' or 'raw', got {self.start_net!r}"),
+            (self.flow_episodes in ("uncut", "cut"), f"flow_episodes must be 'uncut' or 'cut', got {self.flow_episodes!r}"),
             (0 < self.expectile < 1, f"expectile must be in (0, 1), got {self.expectile}"),
             (self.gamma > 0, f"gamma must be in (0, 1], got {self.gamma}"),
             (self.holdout_fraction < 1, f"holdout_fraction must be in [0, 1), got {self.holdout_fraction}"),

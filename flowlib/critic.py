@@ -83,6 +83,29 @@ def truncate_at_success(ep: Episode) -> Episode:
                    np.zeros(k + 1, dtype=bool), seed=ep.seed)
 
 
+def cut_window_index(full: ChunkDataset, cut: ChunkDataset) -> torch.Tensor:
+    """For every window of ``full`` (episodes as recorded) the index of its window in ``cut`` (the same episodes after
+    ``truncate_at_success``), ``[N_full]``: the same window up to the cut, the cut episode's last window after it.
+
+    So a per-window weight computed on the critic's cut data (an advantage, a mask) carries over to the flow's uncut
+    windows: a window that decides after the first success is weighted as the decision at the success step.  An
+    episode of ``T`` steps has ``T`` windows (``ChunkDataset``), window ``(e, s)`` at ``offset[e] + s + To - 1``.
+    """
+    if len(full.episodes) != len(cut.episodes) or full.obs_horizon != cut.obs_horizon:
+        raise ValueError(f"full and cut must hold the same episodes with the same obs_horizon, got "
+                         f"{len(full.episodes)} / {len(cut.episodes)} episodes, obs_horizon {full.obs_horizon} / "
+                         f"{cut.obs_horizon}: build both from one episode list, cut with truncate_at_success")
+    full_len = np.array([len(ep) for ep in full.episodes])
+    cut_len = np.array([len(ep) for ep in cut.episodes])
+    if (cut_len > full_len).any():
+        e = int(np.flatnonzero(cut_len > full_len)[0])
+        raise ValueError(f"episode {e} is longer cut ({cut_len[e]}) than uncut ({full_len[e]}): "
+                         "pass the uncut dataset first, the cut one second")
+    offset = np.concatenate([[0], np.cumsum(cut_len)[:-1]])
+    e, s = np.asarray(full.index).T  # [N_full] each
+    return torch.as_tensor(offset[e] + np.minimum(s + full.obs_horizon - 1, cut_len[e] - 1), dtype=torch.long)
+
+
 def episode_rewards(ep: Episode, reward: str) -> np.ndarray:
     if reward not in REWARDS:
         raise ValueError(f"reward must be one of {REWARDS}, got {reward!r}")

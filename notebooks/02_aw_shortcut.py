@@ -95,6 +95,7 @@ fql_offline_steps: int = 200  # FQL's offline updates on the same data, per trai
 fql_alpha: float = 10.0  # FQL's distillation weight against the normalised -Q
 fql_hidden_dims: list[int] = [256, 256, 256]  # FQL's one-step policy MLP
 start_net: str = "ema"  # the stage-1 weights training goes on from: "ema" (the policy stage 1 scored) or "raw" (its live net)
+flow_episodes: str = "uncut"  # the flow trains on episodes "uncut" (as recorded) or "cut" at the first success (as the critic)
 train_seeds: list[int] = [0]  # one AW-ShortCut training run per seed
 train_steps: int = 200  # gradient steps
 batch_size: int = 128  # samples per gradient step
@@ -137,7 +138,8 @@ env = make_env(cfg.env_id, cfg.num_envs, max_episode_steps=cfg.max_episode_steps
 bc.check_compatible(stage1.meta, env.spec)
 rollouts, rollout_rows = awsc.collect_rollouts(stage1, env, cfg, stage1_path)
 sources = ["demo"] * len(demos) + [f"rollout σ={r['noise_std']:g}" for r in rollout_rows for _ in range(r["episodes"])]
-episodes = [critics.truncate_at_success(ep) for ep in demos + rollouts]
+recorded = demos + rollouts
+episodes = [critics.truncate_at_success(ep) for ep in recorded]  # the critic's: a success is terminal
 check_held_out("eval_seed", cfg.eval_seed, cfg.num_eval_episodes + cfg.num_envs, episodes)
 check_held_out("val_seed", cfg.val_seed, cfg.num_eval_episodes + cfg.num_envs, episodes)
 print(f"data ready in {time.time() - t0:.0f}s")
@@ -153,8 +155,14 @@ print(f"contrast (some episodes succeed, some fail): {0 < np.mean([ep.success.an
 
 # %% [markdown]
 # ## SMDP transitions and the critic
-# One transition per decision step, aligned with the BC windows; episodes split by source into
-# training and held-out sets. The held-out episodes measure whether $V$ tracks real returns.
+# One transition per decision step of the cut episodes; episodes split by source into training and held-out
+# sets. The held-out episodes measure whether $V$ tracks real returns.
+#
+# The flow trains on the episodes as recorded (`flow_episodes = "uncut"`): a demo goes on for a few steps after
+# its first success, and cutting it there would pad the windows past the cut with "hold still", teaching the
+# flow to stop at the very edge of success (on PushCube that alone cost ~0.1 success; docs/results/tasks.md).
+# Each flow window takes the weight of the critic's window that decides at the same step, or, after the first
+# success, at the success step (`critic.cut_window_index`).
 
 # %%
 dataset = ChunkDataset(episodes, stage1.obs_horizon, stage1.pred_horizon, stage1.obs_normalizer, stage1.action_normalizer,
@@ -163,8 +171,13 @@ transitions = critics.chunk_transitions(dataset, stage1.act_horizon, cfg.gamma, 
 held_out_episodes = awsc.holdout_mask(sources, cfg.holdout_fraction, cfg.seed)
 held_out = torch.as_tensor(held_out_episodes)[transitions.episode]
 train_data, test_data = transitions.subset(~held_out), transitions.subset(held_out)
+flow_dataset = dataset if cfg.flow_episodes == "cut" else ChunkDataset(
+    recorded, stage1.obs_horizon, stage1.pred_horizon, stage1.obs_normalizer, stage1.action_normalizer,
+    gripper=not is_fast(cfg.env_id))
+to_cut = critics.cut_window_index(flow_dataset, dataset)  # [N_flow]: the transition each flow window is weighted by
 print(f"{len(transitions)} transitions: {len(train_data)} train, {len(test_data)} held out "
-      f"({held_out_episodes.sum()} episodes); terminal: {int(transitions.terminal.sum())}")
+      f"({held_out_episodes.sum()} episodes); terminal: {int(transitions.terminal.sum())}; "
+      f"flow windows ({cfg.flow_episodes}): {len(flow_dataset)}")
 
 # %%
 t0 = time.time()
@@ -244,7 +257,7 @@ print(f"effective sample size in (0, 1]: {0 < ess <= 1}")
 
 # %%
 t0 = time.time()
-stage2, aw_rows = awsc.train_weighted(cfg, dataset, run_path, env, stage1_path, weights,
+stage2, aw_rows = awsc.train_weighted(cfg, flow_dataset, run_path, env, stage1_path, weights[to_cut],
                                       {"critic": critics.critic_state(critic), "stage1_checkpoint": str(stage1_path)})
 for s, rows in aw_rows.items():
     history = pd.DataFrame(rows)
@@ -280,10 +293,11 @@ print(f"{len(cfg.train_seeds)} seed(s) x {cfg.train_steps} steps in {train_time:
 # %%
 window_success = torch.as_tensor(episode_success)
 masks = {kind: critics.rfc_mask(kind, adv, window_success, torch.ones_like(adv), cfg.rfc_topk) for kind in cfg.rfc_masks}
-method_weights = {"AW-ShortCut": weights} | {f"RFC {kind}": critics.mask_weights(m) for kind, m in masks.items()}
+# on the flow's windows: each takes its transition's weight or mask (to_cut), masks rescaled to mean 1 there
+method_weights = {"AW-ShortCut": weights[to_cut]} | {f"RFC {kind}": critics.mask_weights(m[to_cut]) for kind, m in masks.items()}
 # where each method puts the data's mass: the share of the loss's total weight on each source
-uniform = torch.ones_like(adv)
-mass = pd.DataFrame({name: pd.Series(w.numpy()).groupby(episode_source).sum() / w.sum().item()
+uniform = torch.ones(len(flow_dataset))
+mass = pd.DataFrame({name: pd.Series(w.numpy()).groupby(episode_source[to_cut.numpy()]).sum() / w.sum().item()
                      for name, w in {"BC (uniform)": uniform, **method_weights}.items()})
 fig, ax = plt.subplots(figsize=(6, 2.8))
 mass.T.plot.barh(stacked=True, ax=ax)
@@ -292,7 +306,7 @@ ax.set_ylabel("method")
 ax.legend(loc="center left", bbox_to_anchor=(1, 0.5), fontsize=8)
 runs.save_figure(fig, run_path, "weight_by_source")
 plt.show()
-mask_ratio = {kind: m.float().mean().item() for kind, m in masks.items()}
+mask_ratio = {kind: m[to_cut].float().mean().item() for kind, m in masks.items()}  # share of the flow's windows kept
 tracker.log({f"reflow_mask_ratio/{kind}": r for kind, r in mask_ratio.items()}, 0)
 pd.DataFrame({"reflow_mask_ratio": mask_ratio}).round(3)
 
@@ -300,7 +314,7 @@ pd.DataFrame({"reflow_mask_ratio": mask_ratio}).round(3)
 t0 = time.time()
 rfc_policies = {}
 for kind in cfg.rfc_masks:
-    rfc_policies[kind], _ = awsc.train_weighted(cfg, dataset, run_path / f"rfc_{kind}", env, stage1_path,
+    rfc_policies[kind], _ = awsc.train_weighted(cfg, flow_dataset, run_path / f"rfc_{kind}", env, stage1_path,
                                                 method_weights[f"RFC {kind}"],
                                                 {"rfc_mask": kind, "stage1_checkpoint": str(stage1_path)},
                                                 checkpoint_format=bc.CHECKPOINT_FORMAT, name=f"rfc_{kind}")

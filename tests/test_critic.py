@@ -53,6 +53,29 @@ def test_sparse_reward_is_the_success_flag_and_truncate_at_success_ends_the_epis
     assert critics.truncate_at_success(failure) is failure
 
 
+def test_uncut_windows_take_the_weight_of_their_cut_window_up_to_the_success_and_of_the_success_step_after_it():
+    # obs_horizon 2: an episode of T steps has T windows, deciding at c = s + 1 = 0 .. T - 1
+    hit = episode([0.0] * 6, terminated_last=False)
+    hit.success[:] = [False, False, True, False, True, True]  # first success at step 2: the cut keeps 3 steps
+    miss = episode([0.0] * 4, terminated_last=False)  # never succeeds: cut == uncut
+    full = ChunkDataset([hit, miss], 2, 4)
+    cut = ChunkDataset([critics.truncate_at_success(ep) for ep in [hit, miss]], 2, 4)
+    idx = critics.cut_window_index(full, cut)
+    assert len(idx) == len(full) == 10 and len(cut) == 7
+    # hit: decisions 0, 1, 2 are the cut windows 0, 1, 2; decisions 3, 4, 5 (after the success) map to 2
+    assert idx.tolist() == [0, 1, 2, 2, 2, 2, 3, 4, 5, 6]
+    # the mapped window decides on the same observations up to the cut, at the success step after it
+    for i, (e, s) in enumerate(full.index):
+        ce, cs = cut.index[idx[i]]
+        assert ce == e and cs == min(s, len(cut.episodes[e]) - 2)
+    assert torch.equal(torch.as_tensor(np.stack([cut.window(*cut.index[j])[0] for j in idx[:3]])),
+                       torch.as_tensor(np.stack([full.window(*full.index[j])[0] for j in range(3)])))
+    with pytest.raises(ValueError, match="uncut dataset first"):
+        critics.cut_window_index(cut, full)
+    with pytest.raises(ValueError, match="same episodes"):
+        critics.cut_window_index(full, ChunkDataset([hit], 2, 4))
+
+
 def test_nan_rewards_are_rejected():
     ep = episode([1.0, float("nan")], terminated_last=True)
     with pytest.raises(ValueError, match="NaN"):
