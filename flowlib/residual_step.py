@@ -97,6 +97,7 @@ class StepResidualAgent(CriticStateNorm, FlowSteer):
         nn.init.zeros_(self.residual_net[-1].bias)  # r = 0 at the start: the stage-1 policy
         self._build_critics(tuple(value_hidden_dims))
         self.register_buffer("explore_std", torch.tensor(float(max_noise_std)))
+        self.register_buffer("bound_scale", torch.tensor(1.0))  # b's share in force (TD3's residual_bound_warmup_steps)
         mask = torch.ones(self.action_dim)
         if not correct_gripper:
             mask[-1] = 0.0  # ManiSkill's pd_ee_delta_pos: [dx, dy, dz, gripper]
@@ -118,6 +119,19 @@ class StepResidualAgent(CriticStateNorm, FlowSteer):
     def set_max_noise_std(self, value: float) -> None:
         self.explore_std.fill_(value)
 
+    def set_bound_scale(self, value: float) -> None:
+        """The actor's bound becomes ``value * b`` (``0 <= value <= 1``): ``mu_phi = value * b tanh(f_phi)``; the critics
+        still read ``r / b`` and exploration still clips to ``b``."""
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"the residual's bound scale must lie in [0, 1], got {value}")
+        self.bound_scale.fill_(value)
+
+    def load_state_dict(self, state, strict: bool = True, assign: bool = False):
+        """Also reads a checkpoint written before ``bound_scale`` existed: its actor ran at the full bound."""
+        if "bound_scale" not in state:
+            state = {**state, "bound_scale": torch.tensor(1.0)}
+        return super().load_state_dict(state, strict, assign)
+
     def state(self, obs_window: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         """``s = [normalised, clipped o window (flat), a_b]``: raw ``[B, To, O]``, normalised ``[B, A]`` -> ``[B, S]``.
         A visual policy's ``s`` holds the frozen encoder's embedding instead of the window (``obs_window`` may then be
@@ -133,8 +147,9 @@ class StepResidualAgent(CriticStateNorm, FlowSteer):
 
     def residual(self, s: torch.Tensor, target: bool = False) -> torch.Tensor:
         """``mu_phi(s) = b tanh(f_phi(s))`` ``[B, A]``, 0 on the dims it leaves to the base (``target``: the
-        Polyak-averaged actor's)."""
-        return self.residual_bound * torch.tanh((self.residual_target if target else self.residual_net)(s)) * self.residual_mask
+        Polyak-averaged actor's); times ``bound_scale`` while TD3's bound ramps up (``set_bound_scale``)."""
+        bound = self.residual_bound * self.bound_scale
+        return bound * torch.tanh((self.residual_target if target else self.residual_net)(s)) * self.residual_mask
 
     @torch.no_grad()
     def base_chunk(self, obs_window: torch.Tensor, generator: torch.Generator | None = None,

@@ -41,6 +41,8 @@ class TD3Config:
     residual_l2: NonNegativeFloat = 0.0  # the actor's loss adds residual_l2 * mean (r / b)^2: r stays 0 unless Q pays
     actor_lr_warmup_steps: NonNegativeInt = 0  # env steps past critic_warmup_steps over which the actor's lr ramps
                                                # from 0 to actor_lr (0: full at once)
+    residual_bound_warmup_steps: NonNegativeInt = 0  # env steps past critic_warmup_steps over which the actor's bound
+                                                     # grows from 0 to residual_bound (0: full at once)
 
 
 def replay_buffer(agent: StepResidualAgent, capacity: int) -> ReplayBuffer:
@@ -112,6 +114,18 @@ def actor_lr(cfg, env_steps: int) -> float:
     return cfg.actor_lr * min(1.0, max(0.0, (env_steps - cfg.critic_warmup_steps) / cfg.actor_lr_warmup_steps))
 
 
+def bound_scale(cfg, env_steps: int) -> float:
+    """The share of ``residual_bound`` the actor may use in the updates after ``env_steps`` env steps (and in the
+    rollouts that follow them): 0 through ``critic_warmup_steps``, then linear to 1 over
+    ``residual_bound_warmup_steps``.  A gentler start than ``actor_lr``'s ramp, which delays ``r``'s move by a few
+    iterations only (Adam's step is about the rate whatever the gradient's size; measured on PickCube, docs/log/stage3/
+    06_step_residual_td3.md): a bound that grows caps how far ``a_b + r`` may leave the stage-1 policy's actions,
+    whose data the critics were fitted on, whatever their first gradients say (``StepResidualAgent.set_bound_scale``)."""
+    if cfg.residual_bound_warmup_steps <= 0:
+        return 1.0
+    return min(1.0, max(0.0, (env_steps - cfg.critic_warmup_steps) / cfg.residual_bound_warmup_steps))
+
+
 def td3_agent(policy, cfg, state_dim: int = 0) -> StepResidualAgent:
     """The per-step residual agent with TD3's critics (``cfg``'s ``ResidualConfig``) over a frozen ``policy``;
     ``cfg.asymmetric_critic`` needs ``state_dim``, the env's state width (``EnvSpec.state_dim``)."""
@@ -125,7 +139,8 @@ def td3_learner(agent: StepResidualAgent, cfg) -> ReplayLearner:
     """TD3 on the per-step residual: each iteration runs ``rollout_steps x Ta`` env steps of every env into the
     replay, then takes ``replay_updates_per_decision`` critic steps per stored transition (batches of
     ``replay_batch_size``), the actor's every ``td3_policy_delay``-th of them once the iteration starts past
-    ``critic_warmup_steps`` (none until the replay holds one batch), at the rate ``actor_lr`` gives."""
+    ``critic_warmup_steps`` (none until the replay holds one batch), at the rate ``actor_lr`` gives, with the bound
+    ``bound_scale`` gives."""
     steps = cfg.rollout_steps * agent.act_horizon
 
     def make_collect(runner, generator):
@@ -139,9 +154,11 @@ def td3_learner(agent: StepResidualAgent, cfg) -> ReplayLearner:
     def before_update(learner):
         for group in learner.actor_opt.param_groups:
             group["lr"] = actor_lr(cfg, learner.runner.env_steps)
+        agent.set_bound_scale(bound_scale(cfg, learner.runner.env_steps))
         if not agent.critic_state_fitted:  # once, on the first iteration's states
             agent.fit_critic_normalizer(learner.buffer.data["priv"][:len(learner.buffer)])
 
     return ReplayLearner(agent, cfg, replay_buffer(agent, cfg.replay_size), make_collect, update_step, optimizers,
                          lambda num_envs: steps * num_envs, "residual TD3", before_update=before_update,
-                         after_update=lambda learner: {"actor_lr": learner.actor_opt.param_groups[0]["lr"]})
+                         after_update=lambda learner: {"actor_lr": learner.actor_opt.param_groups[0]["lr"],
+                                                       "bound_scale": agent.bound_scale.item()})

@@ -16,7 +16,7 @@ from flowlib.nets import frozen, mlp
 from flowlib.flow_sde import LOG_2PI
 from flowlib.ppo import ppo_update
 from flowlib.residual_step import NStepReturns, StepCollector, StepResidualAgent, StepResidualPPOAgent
-from flowlib.residual_td3 import actor_lr, optimizers, replay_buffer, td3_update
+from flowlib.residual_td3 import actor_lr, bound_scale, optimizers, replay_buffer, td3_update
 from flowlib.tracking import Tracker
 from test_reinflow import ACT_DIM, OBS_DIM, tiny_policy
 
@@ -280,6 +280,33 @@ def test_the_actor_lr_ramps_from_zero_past_the_critic_warmup_and_only_td3_has_th
         stage3.Stage3Config(actor_lr_warmup_steps=4000)
 
 
+def test_the_bound_grows_from_zero_past_the_critic_warmup_and_caps_the_residual():
+    cfg = stage3.Stage3Config(critic_warmup_steps=1000, residual_bound_warmup_steps=4000, **TD3)
+    assert [bound_scale(cfg, n) for n in (0, 1000, 3000, 5000)] == pytest.approx([0.0, 0.0, 0.5, 1.0])
+    assert bound_scale(dataclasses.replace(cfg, residual_bound_warmup_steps=0), 0) == 1.0  # no ramp: full at once
+    agent, obs, _ = step_agent(bound=0.5)
+    with torch.no_grad():
+        agent.residual_net[-1].bias.fill_(10.0)  # tanh saturated: mu = b on every dim
+    s = agent.state(obs, torch.zeros(5, ACT_DIM))
+    assert torch.allclose(agent.residual(s), torch.full((5, ACT_DIM), 0.5))
+    agent.set_bound_scale(0.25)
+    assert torch.allclose(agent.residual(s), torch.full((5, ACT_DIM), 0.125))  # capped at 0.25 b
+    assert torch.allclose(agent.residual(s, target=True), torch.zeros(5, ACT_DIM))  # the target actor: still at zero
+    r = torch.full((5, ACT_DIM), 0.25)  # the critics read r / b at the full bound, whatever the scale
+    assert torch.equal(agent.critic(s, r)[0], agent.q.nets[0](torch.cat([s, r / 0.5], 1)).squeeze(-1))
+    state = agent.state_dict()
+    assert state["bound_scale"].item() == 0.25  # kept in the checkpoint: a resumed run goes on at its scale
+    older = {k: v for k, v in state.items() if k != "bound_scale"}  # written before the scale existed
+    fresh, _, _ = step_agent(bound=0.5)
+    fresh.set_bound_scale(0.0)
+    fresh.load_state_dict(older)
+    assert fresh.bound_scale.item() == 1.0  # such a run's actor ran at the full bound
+    with pytest.raises(ValueError, match="bound scale must lie in \\[0, 1\\], got 1.5"):
+        agent.set_bound_scale(1.5)
+    with pytest.raises(ValueError, match="with learner 'ppo' does not read residual_bound_warmup_steps"):
+        stage3.Stage3Config(residual_bound_warmup_steps=4000)
+
+
 def gradient_snr_of(run: Path, monkeypatch, tmp_path) -> dict:
     """``benchmarks/gradient_snr.py`` on ``run``'s last.pt: 2 rollouts x 2 envs x 5 env steps, 4 units."""
     import json
@@ -298,7 +325,7 @@ def test_td3_runs_in_a_real_pickcube_env_and_its_transitions_chain_step_to_step(
     cfg = stage3.Stage3Config(init_checkpoint=str(path), num_inference_steps=4, rollout_steps=3, max_episode_steps=20,
                                   total_env_steps=2 * per_iter, critic_warmup_steps=per_iter, replay_batch_size=8,
                                   replay_updates_per_decision=0.25, eval_every=1, num_eval_episodes=2,
-                                  actor_lr_warmup_steps=2 * per_iter, **TD3)
+                                  actor_lr_warmup_steps=2 * per_iter, residual_bound_warmup_steps=2 * per_iter, **TD3)
     run = tmp_path / "run"
     with make_env("PickCube-v1", 2, max_episode_steps=20) as env:
         agent, _ = stage3.build_agent(cfg, stage3.init_checkpoint_path(cfg), env.spec)
@@ -310,22 +337,26 @@ def test_td3_runs_in_a_real_pickcube_env_and_its_transitions_chain_step_to_step(
         assert out["env_steps"] == 2 * per_iter and [r["critic_warmup"] for r in rows] == [1.0, 0.0]
         assert [r["updates"] for r in rows] == [12, 12] and [r["buffer"] for r in rows] == [48, 96]
         assert [r["actor_lr"] for r in rows] == pytest.approx([0.0, 0.5 * cfg.actor_lr])  # half way up the ramp
+        assert [r["bound_scale"] for r in rows] == pytest.approx([0.0, 0.5])  # ... and up the bound's
         assert "policy_loss" not in rows[0] and {"policy_loss", "value_loss", "q", "residual_rms",
                                                  "eval/success_once", "train/success_once"} <= set(rows[0]) | set(rows[1])
         assert any(not torch.equal(a, b.cpu()) for a, b in zip(before, agent.policy_parameters()))  # on a GPU, moved
         assert stage3.read_agent_checkpoint(run / "last.pt")["replay"]["size"] == 96
+        assert stage3.load_agent(run / "last.pt").bound_scale.item() == 0.5  # the checkpoint keeps the scale
         longer = stage3.checkpoint_config(stage3.read_agent_checkpoint(run / "last.pt"),
                                             {"total_env_steps": 3 * per_iter})
         agent2, _ = stage3.build_agent(longer, stage3.init_checkpoint_path(longer), env.spec)
         resumed = Tracker(run)
         assert stage3.train(longer, agent2, env, run, resumed)["env_steps"] == 3 * per_iter
         assert resumed.rows[-1]["actor_lr"] == pytest.approx(cfg.actor_lr)  # past the ramp: the full rate
+        assert resumed.rows[-1]["bound_scale"] == 1.0  # ... and the full bound
         assert stage3.read_agent_checkpoint(run / "last.pt")["replay"]["size"] == 144
 
         # the collector's transitions: each step's (window, a_b) is the previous step's (next window, a_b')
         # unless the episode ended, and what ran is a_b + r
         runner = smdp.ChunkRunner(env, agent.obs_horizon, 0.99, "shaped", first_seed=123)
         buffer = replay_buffer(agent, 100)
+        agent.set_bound_scale(1.0)  # the full bound (training left it half way up its ramp)
         with torch.no_grad():  # a constant residual that is not zero, so a_b + r differs from a_b
             agent.residual_net[-1].weight.zero_()
             agent.residual_net[-1].bias.fill_(0.2)
