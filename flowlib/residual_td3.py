@@ -109,9 +109,7 @@ def actor_lr(cfg, env_steps: int) -> float:
     et al. 2017, here of the actor alone): the first actor steps follow a critic fitted to the stage-1 policy's
     data only, and at full rate they move ``r`` to the bound's half within one iteration.  Measured (docs/stage3.md):
     the ramp shortens the dip that follows and ends on the same plateau."""
-    if cfg.actor_lr_warmup_steps <= 0:
-        return cfg.actor_lr
-    return cfg.actor_lr * min(1.0, max(0.0, (env_steps - cfg.critic_warmup_steps) / cfg.actor_lr_warmup_steps))
+    return cfg.actor_lr * _ramp(env_steps - cfg.critic_warmup_steps, cfg.actor_lr_warmup_steps)
 
 
 def bound_scale(cfg, env_steps: int) -> float:
@@ -121,9 +119,15 @@ def bound_scale(cfg, env_steps: int) -> float:
     iterations only (Adam's step is about the rate whatever the gradient's size; measured on PickCube, docs/log/stage3/
     06_step_residual_td3.md): a bound that grows caps how far ``a_b + r`` may leave the stage-1 policy's actions,
     whose data the critics were fitted on, whatever their first gradients say (``StepResidualAgent.set_bound_scale``)."""
-    if cfg.residual_bound_warmup_steps <= 0:
+    return _ramp(env_steps - cfg.critic_warmup_steps, cfg.residual_bound_warmup_steps)
+
+
+def _ramp(steps_past_start: int, length: int) -> float:
+    """A linear ramp from 0 to 1 over ``length`` steps past its start, clipped to [0, 1]; 1 throughout when ``length``
+    is 0 (no ramp)."""
+    if length <= 0:
         return 1.0
-    return min(1.0, max(0.0, (env_steps - cfg.critic_warmup_steps) / cfg.residual_bound_warmup_steps))
+    return min(1.0, max(0.0, steps_past_start / length))
 
 
 def td3_agent(policy, cfg, state_dim: int = 0) -> StepResidualAgent:
