@@ -18,6 +18,13 @@ Recipe (notebook 02):
 4. The same data through two other offline methods, as baselines: RFC's masks as 0/1 weights on the same
    loss (``flowlib.critic.rfc_mask``, ``mask_weights``) and FQL's offline phase (``flowlib.fql.train_offline``).
 
+**RFC after steering** (the RLinf notes pair reflow with DSRL): ``rollout_checkpoint`` names a stage-3 checkpoint,
+e.g. DSRL's policy over ``x_0`` (``flowlib.latent``) or a per-step residual (``flowlib.residual_step``), whose
+deterministic policy collects the rollouts in place of stage 1's.  Steering leaves the flow's weights as they were;
+reflowing the flow on the steered episodes (RFC ``success_only``: the demos and the steered episodes that succeed)
+distils what the steering found into the flow itself, which then acts from ``x_0 ~ N(0, I)`` with no head and no
+residual net.  The flow trained is still the ``stage1_checkpoint``'s.
+
 The weight multiplies the whole per-sample ShortCut loss: the flow-matching term at ``d_min`` and
 the self-consistency term alike.  The weighted objective is then the ShortCut loss under the
 re-weighted data distribution ``pi*(a|s) ~ pi_data(a|s) exp(beta A(s, a))`` (AWR, Peng et al. 2019,
@@ -43,7 +50,7 @@ from . import bc, config
 from .config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields, require
 from .critic import RFC_MASKS, ChunkCritic, ChunkTransitions, critic_from_state
 from .data import Episode, demo_dir, load_demos, save_episodes
-from .runs import policy_checkpoint
+from .runs import checkpoint_location, load_torch, policy_checkpoint
 from .tracking import Tracker
 
 
@@ -63,6 +70,7 @@ class AWShortCutConfig:
     rollout_episodes: PositiveInt = 6  # stage-1 rollouts per noise level, added to the demos
     rollout_noise_stds: list[NonNegativeFloat] = field(default_factory=lambda: [0.0, 0.3])  # action-noise std of each rollout batch (actions lie in [-1, 1])
     rollout_inference_steps: PositiveInt = 4  # K of the stage-1 policy during the rollouts
+    rollout_checkpoint: str = ""  # a checkpoint whose policy collects the rollouts in place of stage 1's, e.g. a steering run's last.pt: RFC after steering ("" = stage 1)
     # critic
     critic: str = "iql"                 # "iql" or "mc"
     reward: str = "sparse"              # "sparse" (success) or "dense" (normalized_dense)
@@ -132,6 +140,60 @@ def stage1_checkpoint_path(cfg: AWShortCutConfig) -> Path:
     return policy_checkpoint(cfg.stage1_checkpoint, "stage1_checkpoint")
 
 
+def rollout_checkpoint_path(cfg: AWShortCutConfig) -> Path | None:
+    """The checkpoint whose deterministic policy collects the rollouts (``rollout_checkpoint``: any checkpoint
+    ``flowlib.evaluate`` reads, a stage-3 steering run's ``last.pt`` above all), or None for stage 1's own."""
+    if not cfg.rollout_checkpoint:
+        return None
+    path = checkpoint_location(cfg.rollout_checkpoint)
+    if not path.is_file():
+        raise FileNotFoundError(f"rollout_checkpoint: checkpoint {path} not found: run the steering it names first "
+                                "(e.g. python -m flowlib.run 06_steering --params ...) or set rollout_checkpoint: '' "
+                                "for stage 1's own rollouts")
+    return path
+
+
+ROLLOUT_META_KEYS = ("env_id", "control_mode", "obs_mode", "obs_dim", "action_dim")  # what must match stage 1's
+
+
+def rollout_meta_problem(meta: Any, expected: dict[str, Any], path: Path) -> str:
+    """Why the policy of ``meta`` (read from ``path``) cannot collect rollouts for a stage 1 of ``expected`` meta (""
+    if it can): its episodes must be of the same task, control mode and observation, in the same dims."""
+    if not isinstance(meta, dict) or "env_id" not in meta:
+        return (f"rollout_checkpoint: {path} is not a flowlib policy checkpoint (no policy meta): pass a stage-3 "
+                "last.pt / best_model.pt or a stage-1/2 best_model.pt")
+    for key in ROLLOUT_META_KEYS:
+        if key in expected and meta.get(key) != expected[key]:
+            return (f"rollout_checkpoint: {path} has {key} = {meta.get(key)!r} but this stage 2 needs "
+                    f"{expected[key]!r} (stage 1's): point rollout_checkpoint at a run that fine-tuned a policy of "
+                    "the same task, control mode and observation")
+    return ""
+
+
+def check_rollout_policy(meta: Any, stage1_meta: dict[str, Any], path: Path) -> None:
+    """``ValueError`` with ``rollout_meta_problem``'s message when the policy read from ``path`` cannot collect the
+    rollouts for this stage 1."""
+    problem = rollout_meta_problem(meta, stage1_meta, path)
+    if problem:
+        raise ValueError(problem)
+
+
+def rollout_problem(cfg: AWShortCutConfig) -> str:
+    """Why ``rollout_checkpoint`` cannot collect this run's rollouts ("" if it can or none is set): missing, not a
+    policy checkpoint or of another task; checked before a run starts (``flowlib.run.preflight``)."""
+    try:
+        path = rollout_checkpoint_path(cfg)
+    except FileNotFoundError as err:
+        return str(err)
+    if path is None:
+        return ""
+    try:
+        ckpt = load_torch(path, "")
+    except ValueError as err:
+        return f"rollout_checkpoint: {err}"
+    return rollout_meta_problem(ckpt.get("meta") if isinstance(ckpt, dict) else None, {"env_id": cfg.env_id}, path)
+
+
 def check_data_fits(meta: dict[str, Any], episodes: list[Episode], env_id: str) -> None:
     """The stage-1 policy, the data and the env must agree on task and dimensions."""
     if meta["env_id"] != env_id:
@@ -148,10 +210,12 @@ def _file_digest(path: Path) -> str:
 
 
 def collect_rollouts(policy: bc.FlowPolicy, env, cfg: AWShortCutConfig, stage1_path: Path) -> tuple[list[Episode], list[dict]]:
-    """Stage-1 rollouts at each exploration-noise level, cached per (checkpoint, settings).
+    """Rollouts of ``policy`` (stage 1's, or the ``rollout_checkpoint``'s, read from ``stage1_path``) at each
+    exploration-noise level, cached per (checkpoint, settings).
 
     Noise level ``j`` uses env seeds ``ROLLOUT_SEED + 100_000 j + i`` (never the evaluation seeds).
-    Returns the episodes (full length, as recorded) and one summary row per noise level.
+    Returns the episodes (full length, as recorded: the actions executed, a per-step residual's corrections in
+    them) and one summary row per noise level.
     """
     if policy.meta["obs_mode"] != "state":
         raise ValueError(f"{stage1_path} reads {policy.meta['obs_mode']} observations; stage 2's critic and its cached "
@@ -168,7 +232,7 @@ def collect_rollouts(policy: bc.FlowPolicy, env, cfg: AWShortCutConfig, stage1_p
             result = bc.evaluate(policy, env, cfg.rollout_episodes, cfg.rollout_inference_steps,
                                  seed=seed, action_noise_std=std, record=True)
             eps = result["rollouts"]
-            save_episodes(path, eps, cfg.env_id, env.spec.control_mode, source=f"stage-1 rollouts of {stage1_path}")
+            save_episodes(path, eps, cfg.env_id, env.spec.control_mode, source=f"rollouts of {stage1_path}")
         episodes += eps
         rows.append({"noise_std": std, "episodes": len(eps), "success_once": float(np.mean([e.success.any() for e in eps])),
                      "file": path.name})

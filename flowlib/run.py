@@ -51,6 +51,7 @@ MAKES_ITS_START = {"03_reinflow"}
 
 # notebook -> a check of its parameters against the files they name ("module:function", config -> problem or "")
 NOTEBOOK_PREFLIGHT = {
+    "02_aw_shortcut": "flowlib.awsc:rollout_problem",
     "03_reinflow": "flowlib.stage3:start_problem",
     "06_steering": "flowlib.stage3:start_problem",
 }

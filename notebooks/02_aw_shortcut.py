@@ -60,7 +60,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from flowlib import awsc, bc, config, critic as critics, fql, runs
+from flowlib import awsc, bc, config, critic as critics, evaluate, fql, runs
 from flowlib.data import ChunkDataset, check_held_out, generate_demos, load_demos
 from flowlib.envs import is_fast, make_env
 from flowlib.tracking import start_run
@@ -76,6 +76,7 @@ demo_file: str = ""  # an existing ManiSkill .h5 (state, pd_ee_delta_pos); "" me
 rollout_episodes: int = 6  # stage-1 rollouts per noise level, added to the demos
 rollout_noise_stds: list[float] = [0.0, 0.3]  # action-noise std of each rollout batch (actions lie in [-1, 1])
 rollout_inference_steps: int = 4  # K of the stage-1 policy during the rollouts
+rollout_checkpoint: str = ""  # a checkpoint whose policy collects the rollouts in place of stage 1's, e.g. a steering run's last.pt: RFC after steering ("" = stage 1)
 critic: str = "iql"  # "iql" or "mc"
 reward: str = "sparse"  # "sparse" (success) or "dense" (normalized_dense)
 gamma: float = 0.99  # discount per env step
@@ -125,9 +126,21 @@ run_path, tracker = start_run("02_aw_shortcut", cfg)
 stage1_path = awsc.stage1_checkpoint_path(cfg)
 stage1 = bc.load_policy(stage1_path)
 print(f"run folder: {runs.shown(run_path)}; stage 1: {stage1_path.parent.name}/{stage1_path.name}")
+rollout_path = awsc.rollout_checkpoint_path(cfg)  # None: stage 1 collects the rollouts
+rollout_policy = stage1 if rollout_path is None else evaluate.load_checkpoint_policy(rollout_path)[0]
+if rollout_path is not None:
+    awsc.check_rollout_policy(rollout_policy.meta, stage1.meta, rollout_path)
+    print(f"rollouts by {rollout_path.parent.name}/{rollout_path.name} (RFC after steering)")
 
 # %% [markdown]
 # ## Data with contrast: demos + stage-1 rollouts
+# **After steering** (`rollout_checkpoint`). Stage 3's steering methods leave the flow's weights as they are: DSRL
+# learns where the chain starts ($x_0$, `flowlib.latent`), the per-step residual a correction of every action
+# (`flowlib.residual_step`). Set `rollout_checkpoint` to such a run's `last.pt` and its deterministic policy
+# collects the rollouts instead of stage 1's; RFC's `success_only` mask below then reflows the flow on the demos and
+# the steered episodes that succeed, distilling what the steering found into the flow itself, which acts from
+# $x_0 \sim \mathcal N(0, I)$ with no head and no residual net (the RLinf notes pair RFC with DSRL this way). The
+# steered policy is scored beside the others as the teacher.
 
 # %%
 t0 = time.time()
@@ -136,8 +149,9 @@ demos = load_demos(demo_path, max_episodes=None if cfg.demo_file else cfg.num_de
 awsc.check_data_fits(stage1.meta, demos, cfg.env_id)
 env = make_env(cfg.env_id, cfg.num_envs, max_episode_steps=cfg.max_episode_steps, backend=cfg.backend)
 bc.check_compatible(stage1.meta, env.spec)
-rollouts, rollout_rows = awsc.collect_rollouts(stage1, env, cfg, stage1_path)
-sources = ["demo"] * len(demos) + [f"rollout σ={r['noise_std']:g}" for r in rollout_rows for _ in range(r["episodes"])]
+rollouts, rollout_rows = awsc.collect_rollouts(rollout_policy, env, cfg, rollout_path or stage1_path)
+by = "steered" if rollout_path else "rollout"
+sources = ["demo"] * len(demos) + [f"{by} σ={r['noise_std']:g}" for r in rollout_rows for _ in range(r["episodes"])]
 recorded = demos + rollouts
 episodes = [critics.truncate_at_success(ep) for ep in recorded]  # the critic's: a success is terminal
 check_held_out("eval_seed", cfg.eval_seed, cfg.num_eval_episodes + cfg.num_envs, episodes)
@@ -355,6 +369,10 @@ rows, one_step = [], {}  # FQL's one-step policy ignores K: scored once, listed 
 for K in cfg.eval_inference_steps:
     r1 = bc.evaluate(stage1, env, cfg.num_eval_episodes, K, seed=cfg.eval_seed)
     rows.append({"method": "stage 1", "seed": -1, "K": K, "success_once": r1["success_once"], "success_at_end": r1["success_at_end"]})
+    if rollout_path is not None:  # the steered policy that collected the rollouts: the teacher
+        rt = bc.evaluate(rollout_policy, env, cfg.num_eval_episodes, K, seed=cfg.eval_seed)
+        rows.append({"method": "steered (rollouts)", "seed": -1, "K": K, "success_once": rt["success_once"],
+                     "success_at_end": rt["success_at_end"]})
     for name, by_seed in methods.items():
         for s, policy in by_seed.items():
             k_free = isinstance(policy, fql.FQLAgent)
@@ -394,7 +412,7 @@ s1 = at_k[at_k.method == "stage 1"].success_once.mean()
 by_method = at_k[at_k.method != "stage 1"].groupby("method", sort=False).success_once
 s2 = by_method.get_group("AW-ShortCut")
 verdict = "better than" if s2.mean() > s1 else ("equal to" if s2.mean() == s1 else "worse than")
-summary = {"stage1_checkpoint": str(stage1_path), "rollouts": rollout_rows, "pearson_r_heldout": pearson, "ess": ess,
+summary = {"stage1_checkpoint": str(stage1_path), "rollout_checkpoint": str(rollout_path or ""), "rollouts": rollout_rows, "pearson_r_heldout": pearson, "ess": ess,
            "K": K, "stage1_success_once": s1, "stage2_success_once_mean": s2.mean(),
            "stage2_success_once_std": s2.std() if len(s2) > 1 else 0.0, "train_time_s": train_time,
            "reflow_mask_ratio": mask_ratio,

@@ -236,3 +236,47 @@ def test_reward_scaling_logs_its_scale_and_a_resumed_run_goes_on_from_the_saved_
     assert counts[0] == 1e-4 + 2 * 5 * 16 and counts[1] == counts[0] + 5 * 16
     rows = [r for r in read_metrics(run) if "reward_scale" in r]
     assert len(rows) == 3 and all(0 < r["reward_scale"] < float("inf") for r in rows)
+
+
+def test_stage2_rollouts_come_from_a_steering_checkpoint_and_a_foreign_one_is_refused_before_a_run(tmp_path,
+                                                                                                   monkeypatch):
+    """``rollout_checkpoint`` (RFC after steering): a DSRL run's ``last.pt`` collects stage 2's rollouts; each
+    recorded chunk is the steered policy's deterministic one on the recorded observations (not stage 1's), and the
+    cache keeps them apart from stage 1's.  A missing file, a foreign one and a policy of another task are refused
+    by ``flowlib.run``'s preflight with the parameter named; a policy of other dims by the notebook's check."""
+    from flowlib import awsc, evaluate, run
+    from flowlib.tracking import Tracker
+    tiny_start(tmp_path, monkeypatch)
+    cfg = tiny_chain_config(2, steer="latent", actor_lr=1e-2, max_noise_std=1.0, final_noise_std=1.0)
+    steering = tmp_path / "06_steering" / "dsrl"
+    with make_env("FastReach-v0", 16, max_episode_steps=40) as env:
+        agent, _ = stage3.build_agent(cfg, stage3.init_checkpoint_path(cfg), env.spec)
+        stage3.train(cfg, agent, env, steering, Tracker(steering, resume=False))
+    params = {"stage1_checkpoint": "01_shortcut_bc/tiny/best_model.pt", "env_id": "FastReach-v0",
+              "rollout_checkpoint": "06_steering/dsrl/last.pt", "rollout_episodes": 4, "rollout_noise_stds": [0.0],
+              "max_episode_steps": 40, "num_envs": 4}
+    s2 = awsc.AWShortCutConfig(**params)
+    assert run.preflight("02_aw_shortcut", params) == ""
+    path, stage1_path = awsc.rollout_checkpoint_path(s2), awsc.stage1_checkpoint_path(s2)
+    steered, stage1 = evaluate.load_checkpoint_policy(path)[0], bc.load_policy(stage1_path)
+    awsc.check_rollout_policy(steered.meta, stage1.meta, path)
+    with make_env("FastReach-v0", 4, max_episode_steps=40) as env:
+        episodes, rows = awsc.collect_rollouts(steered, env, s2, path)
+        base, base_rows = awsc.collect_rollouts(stage1, env, s2, stage1_path)
+    assert len(episodes) == 4 and rows[0]["file"] != base_rows[0]["file"]
+    ta = steered.act_horizon
+    for ep, ep_base in zip(episodes, base):
+        assert np.allclose(ep.obs[0], ep_base.obs[0])  # the same env seeds
+        window = torch.as_tensor(ep.obs[0]).float()[None, None].expand(1, steered.obs_horizon, -1)  # [1, To, O]
+        assert np.allclose(ep.actions[:ta], steered.act(window)[0].numpy(), atol=1e-5)
+        assert not np.allclose(ep.actions[:ta], ep_base.actions[:ta], atol=1e-3)
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": [1, 2]}, foreign)
+    for value, message in (("06_steering/nope/last.pt", "rollout_checkpoint: checkpoint"),
+                           (str(foreign), "is not a flowlib policy checkpoint")):
+        problem = run.preflight("02_aw_shortcut", {**params, "rollout_checkpoint": value})
+        assert problem.startswith("rollout_checkpoint: ") and message in problem, problem
+    other_task = awsc.AWShortCutConfig(**{**params, "env_id": "FastPush-v0"})
+    assert "env_id = 'FastReach-v0' but this stage 2 needs 'FastPush-v0'" in awsc.rollout_problem(other_task)
+    with pytest.raises(ValueError, match="obs_dim"):
+        awsc.check_rollout_policy(steered.meta, {**stage1.meta, "obs_dim": stage1.meta["obs_dim"] + 1}, path)
