@@ -70,7 +70,7 @@ class AWShortCutConfig:
     rollout_episodes: PositiveInt = 6  # stage-1 rollouts per noise level, added to the demos
     rollout_noise_stds: list[NonNegativeFloat] = field(default_factory=lambda: [0.0, 0.3])  # action-noise std of each rollout batch (actions lie in [-1, 1])
     rollout_inference_steps: PositiveInt = 4  # K of the stage-1 policy during the rollouts
-    rollout_checkpoint: str = ""  # a checkpoint whose policy collects the rollouts in place of stage 1's, e.g. a steering run's last.pt: RFC after steering ("" = stage 1)
+    rollout_checkpoint: str = ""  # a checkpoint whose policy collects the rollouts in place of stage 1's, e.g. a steering run's last.pt: RFC after steering (empty: stage 1)
     # critic
     critic: str = "iql"                 # "iql" or "mc"
     reward: str = "sparse"              # "sparse" (success) or "dense" (normalized_dense)

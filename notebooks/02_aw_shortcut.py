@@ -76,7 +76,7 @@ demo_file: str = ""  # an existing ManiSkill .h5 (state, pd_ee_delta_pos); "" me
 rollout_episodes: int = 6  # stage-1 rollouts per noise level, added to the demos
 rollout_noise_stds: list[float] = [0.0, 0.3]  # action-noise std of each rollout batch (actions lie in [-1, 1])
 rollout_inference_steps: int = 4  # K of the stage-1 policy during the rollouts
-rollout_checkpoint: str = ""  # a checkpoint whose policy collects the rollouts in place of stage 1's, e.g. a steering run's last.pt: RFC after steering ("" = stage 1)
+rollout_checkpoint: str = ""  # a checkpoint whose policy collects the rollouts in place of stage 1's, e.g. a steering run's last.pt: RFC after steering (empty: stage 1)
 critic: str = "iql"  # "iql" or "mc"
 reward: str = "sparse"  # "sparse" (success) or "dense" (normalized_dense)
 gamma: float = 0.99  # discount per env step
