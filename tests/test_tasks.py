@@ -92,3 +92,46 @@ def test_stage1_then_two_iterations_of_the_target_recipe_run_on_the_task(env_id,
     assert out["env_steps"] == 2 * per_iter and (tmp_path / "06_steering" / "tiny" / "last.pt").is_file()
     loaded = stage3.load_agent(tmp_path / "06_steering" / "tiny" / "last.pt")
     assert loaded.meta["env_id"] == env_id and loaded.action_dim == NEW_TASKS[env_id][1]
+
+
+SEEDS_METHODS = {  # #73's methods as their PickCube params run them, at smoke size
+    "rfc": {"steer": "chain", "learner": "rfc", "rfc_mask": "success_only", "rfc_epochs": 1, "update_epochs": 1,
+            "minibatch_size": 2},
+    "fql": {"steer": "one_step", "learner": "fql", "fql_offline_steps": 3, "fql_hidden_dims": [16],
+            "replay_batch_size": 4, "replay_size": 1_000},
+    "gaussian": {"steer": "gaussian", "learner": "ppo", "gaussian_bc_steps": 3, "gaussian_hidden_dims": [16],
+                 "gaussian_bc_batch": 16, "update_epochs": 1, "minibatch_size": 2},
+}
+
+
+@pytest.mark.parametrize("method", list(SEEDS_METHODS))
+def test_each_of_the_seeds_methods_runs_two_iterations_on_a_maniskill_task(method, demos, tmp_path, monkeypatch):
+    """RFC, FQL (offline on the start's own demos, then online) and the Gaussian baseline (cloned from them, then PPO)
+    from a stage-1 policy in ManiSkill's PushCube, sparse reward: two iterations write their rows and a checkpoint
+    that loads as the method's agent."""
+    from flowlib.tracking import Tracker
+    env_id = "PushCube-v1"
+    monkeypatch.setenv("FLOWLIB_OUTPUTS", str(demo_path(env_id, 3).parents[2]))  # where the start's demos are cached
+    steps, per_iter = 20, 2 * 8  # 1 env x 2 chunks x 8 steps
+    cfg = bc.ShortCutBCConfig(env_id=env_id, num_demos=3, down_dims=[8, 16], emb_dim=8, train_steps=4, batch_size=16,
+                              warmup_steps=1, ckpt_every=4, eval_every=0, num_eval_episodes=1, num_envs=1,
+                              max_episode_steps=steps, eval_inference_steps=[2])
+    start, run = tmp_path / "01_shortcut_bc" / "tiny", tmp_path / "06_steering" / method
+    with make_env(env_id, 1, max_episode_steps=steps, backend="physx_cpu") as env:
+        bc.train(cfg, ChunkDataset(load_demos(demos[env_id]), 2, 16), start, env=env)
+        s3 = stage3.Stage3Config(init_checkpoint=str(start / "best_model.pt"), env_id=env_id, num_envs=1,
+                                 max_episode_steps=steps, num_inference_steps=2, reward="sparse", rollout_steps=2,
+                                 total_env_steps=2 * per_iter, critic_warmup_steps=0, value_hidden_dims=[16],
+                                 eval_every=0, num_eval_episodes=1, **SEEDS_METHODS[method])
+        agent, how = stage3.build_agent(s3, stage3.init_checkpoint_path(s3), env.spec)
+        assert how == "fresh"
+        tracker = Tracker(run, resume=False)
+        out = stage3.train(s3, agent, env, run, tracker)
+    assert out["env_steps"] == 2 * per_iter and out["iterations"] == 2
+    assert len(tracker.rows) == 2 and all(np.isfinite(r["value_loss"]) for r in tracker.rows), tracker.rows
+    loaded = stage3.load_agent(run / "last.pt")
+    assert type(loaded) is type(agent) and loaded.meta["env_id"] == env_id and loaded.action_dim == 4
+    if method == "rfc":
+        assert all(0 <= r["reflow_mask_ratio"] <= 1 for r in tracker.rows)
+    if method == "fql":
+        assert bool(loaded.offline_done)
