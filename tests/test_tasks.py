@@ -101,14 +101,16 @@ SEEDS_METHODS = {  # #73's methods as their PickCube params run them, at smoke s
             "replay_batch_size": 4, "replay_size": 1_000},
     "gaussian": {"steer": "gaussian", "learner": "ppo", "gaussian_bc_steps": 3, "gaussian_hidden_dims": [16],
                  "gaussian_bc_batch": 16, "update_epochs": 1, "minibatch_size": 2},
+    "chain_ppo_bc_reg": {"steer": "chain", "learner": "ppo", "bc_coeff": 1.0, "lr_schedule": "cosine",
+                         "update_epochs": 1, "minibatch_size": 2},
 }
 
 
 @pytest.mark.parametrize("method", list(SEEDS_METHODS))
 def test_each_of_the_seeds_methods_runs_two_iterations_on_a_maniskill_task(method, demos, tmp_path, monkeypatch):
-    """RFC, FQL (offline on the start's own demos, then online) and the Gaussian baseline (cloned from them, then PPO)
-    from a stage-1 policy in ManiSkill's PushCube, sparse reward: two iterations write their rows and a checkpoint
-    that loads as the method's agent."""
+    """RFC, FQL (offline on the start's own demos, then online), the Gaussian baseline (cloned from them, then PPO) and
+    chain PPO with ReinFlow's W2 pull to the start and a cosine lr, from a stage-1 policy in ManiSkill's PushCube,
+    sparse reward: two iterations write their rows and a checkpoint that loads as the method's agent."""
     from flowlib.tracking import Tracker
     env_id = "PushCube-v1"
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(demo_path(env_id, 3).parents[2]))  # where the start's demos are cached
@@ -135,3 +137,5 @@ def test_each_of_the_seeds_methods_runs_two_iterations_on_a_maniskill_task(metho
         assert all(0 <= r["reflow_mask_ratio"] <= 1 for r in tracker.rows)
     if method == "fql":
         assert bool(loaded.offline_done)
+    if method == "chain_ppo_bc_reg":
+        assert all(r["bc_loss"] >= 0 for r in tracker.rows) and tracker.rows[-1]["bc_loss"] > 0
