@@ -94,7 +94,7 @@ def test_stage1_then_two_iterations_of_the_target_recipe_run_on_the_task(env_id,
     assert loaded.meta["env_id"] == env_id and loaded.action_dim == NEW_TASKS[env_id][1]
 
 
-SEEDS_METHODS = {  # #73's methods as their PickCube params run them, at smoke size
+SEEDS_METHODS = {  # #73's methods with the settings their params files name, at smoke size
     "rfc": {"steer": "chain", "learner": "rfc", "rfc_mask": "success_only", "rfc_epochs": 1, "update_epochs": 1,
             "minibatch_size": 2},
     "fql": {"steer": "one_step", "learner": "fql", "fql_offline_steps": 3, "fql_hidden_dims": [16],
