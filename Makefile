@@ -12,7 +12,7 @@ DEMO_NOTEBOOKS := 00_flows_2d 01_shortcut_bc 02_aw_shortcut 03_reinflow 04_flow_
 
 install: system-deps $(STAMP)
 
-# The one place for system packages (Vulkan for ManiSkill on CPU): see flowlib/sysdeps.py.
+# The one place for system packages (Vulkan for ManiSkill on CPU, OSMesa for Meta-World's frames): see flowlib/sysdeps.py.
 system-deps:
 	@$(PYTHON) -m flowlib.sysdeps
 
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# CPU install path: keep the pin (the local CPU wheel); a plain `torch` pulls GBs of CUDA wheels.
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[dev,sim,ray]"
+	$(PY) -m pip install -q -e ".[dev,sim,metaworld,ray]"
 	touch $@
 
 demo: install

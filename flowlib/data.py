@@ -9,7 +9,9 @@ Generation (``generate_demos``) runs ManiSkill's own tools, unchanged, in subpro
    ``pd_ee_delta_pos`` actions, with ``normalized_dense`` rewards recorded.
 
 The result is cached as ``outputs/data/<env>/demos_<n>.state.pd_ee_delta_pos.physx_cpu.h5`` (+ .json).
-Any ManiSkill .h5 with state observations in ``pd_ee_delta_pos`` loads the same way.
+Any ManiSkill .h5 with state observations in ``pd_ee_delta_pos`` loads the same way.  A Meta-World task's demos are
+its scripted expert's, with the task's seeded action noise (``flowlib.metaworld_envs.expert_episodes``), and a fast
+task's its scripted demonstrator's; both are written in the same format.
 """
 from __future__ import annotations
 
@@ -31,8 +33,9 @@ from . import progress
 from .envs import check_env_id, clear_grasp_at_reset, is_fast
 from .envs import control_mode as task_control_mode
 from .fast_envs import FAST_TASKS, demonstrate
+from .metaworld_envs import expert_episodes
 from .runs import outputs_root
-from .tasks import DEFAULT_CONTROL_MODE, MOTION_PLANNING_ENVS
+from .tasks import DEFAULT_CONTROL_MODE, MOTION_PLANNING_ENVS, is_metaworld, task
 
 
 @dataclass
@@ -60,6 +63,9 @@ def demo_dir(env_id: str) -> Path:
 
 
 def demo_path(env_id: str, num_demos: int) -> Path:
+    if is_metaworld(env_id):  # the noise is part of the name: another noise is another demo set
+        return demo_dir(env_id) / (f"demos_{num_demos}.state.{task_control_mode(env_id)}.mujoco."
+                                   f"noise{task(env_id).demo_noise:g}.h5")
     if is_fast(env_id):
         return demo_dir(env_id) / f"demos_{num_demos}.state.{task_control_mode(env_id)}.torch.h5"
     return demo_dir(env_id) / f"demos_{num_demos}.state.{task_control_mode(env_id)}.physx_cpu.h5"
@@ -68,8 +74,21 @@ def demo_path(env_id: str, num_demos: int) -> Path:
 def generate_demos(env_id: str = "PickCube-v1", num_demos: int = 100, num_procs: int = 1, force: bool = False) -> Path:
     """Motion-planned demos replayed to state obs and the task's control mode (``flowlib.tasks``: ``pd_ee_delta_pos``
     unless the task needs another); cached, so a second call is free.  For a
-    fast torch task (``flowlib.fast_envs``), its scripted demonstrator's episodes (env seeds 0 on), failures kept."""
+    fast torch task (``flowlib.fast_envs``), its scripted demonstrator's episodes (env seeds 0 on), failures kept.  For
+    a Meta-World task, its scripted expert's with ``flowlib.tasks``' ``demo_noise`` on each action (env seeds 0 on,
+    each ended at its first success or the task's episode length), failures kept."""
     check_env_id(env_id)
+    if is_metaworld(env_id):
+        out = demo_path(env_id, num_demos)
+        if force or not out.exists():
+            t0, noise = time.time(), task(env_id).demo_noise
+            episodes = [Episode(**e) for e in expert_episodes(env_id, list(range(num_demos)), noise, task(env_id).episode_steps)]
+            save_episodes(out, episodes, env_id, task_control_mode(env_id),
+                          source=f"metaworld.policies scripted expert, Gaussian action noise std {noise:g} "
+                                 "(flowlib.metaworld_envs.expert_episodes)")
+            progress.say(f"{env_id}: {num_demos} expert demos ({sum(e.success.any() for e in episodes)} succeed) "
+                         f"in {time.time() - t0:.0f} s")
+        return out
     if is_fast(env_id):
         out = demo_path(env_id, num_demos)
         if force or not out.exists():

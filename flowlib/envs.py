@@ -33,7 +33,9 @@ import torch
 
 from .fast_envs import CONTROL_MODE as FAST_CONTROL_MODE
 from .fast_envs import FAST_TASKS, EnvSpec  # noqa: F401  (EnvSpec: every env's, re-exported)
+from .metaworld_envs import MetaWorldVecEnv, check_task, is_metaworld
 from .tasks import task
+from .vector import vector_env
 from .visual import VISUAL_MODES, check_obs_mode, make_visual_env
 
 
@@ -68,15 +70,20 @@ def control_mode(env_id: str) -> str:
 
 
 def check_env_id(env_id: str) -> None:
+    """Stop with one line on an env id no backend has (with a did-you-mean), or on a Meta-World task without its
+    extra installed."""
     if is_fast(env_id):
         return
+    if is_metaworld(env_id):
+        return check_task(env_id)
     ids = known_env_ids()
     if env_id not in ids:
         import difflib
 
         close = difflib.get_close_matches(env_id, ids, n=3)
         raise ValueError(f"unknown ManiSkill env id {env_id!r}" + (f"; did you mean {close}?" if close else "")
-                         + f" (e.g. PickCube-v1, PushCube-v1, StackCube-v1; fast torch tasks: {sorted(FAST_TASKS)})")
+                         + f" (e.g. PickCube-v1, PushCube-v1, StackCube-v1; fast torch tasks: {sorted(FAST_TASKS)}; "
+                         "Meta-World tasks by their v3 names: pick-place-v3)")
 
 
 def resolve_backend(backend: str = "auto") -> str:
@@ -135,23 +142,6 @@ def _restorable_wrapper():
     return _Restorable
 
 
-@functools.cache
-def _steppable_sync_vector_env():
-    """gymnasium's SyncVectorEnv for one in-process env, able to step an env whose episode ended."""
-    import gymnasium as gym
-
-    class SteppableSyncVectorEnv(gym.vector.SyncVectorEnv):
-        """One env in this process (no IPC).  Gymnasium's SyncVectorEnv with autoreset off asserts when an
-        ended env is stepped; chunked rollouts step every env to the chunk's end (as AsyncVectorEnv allows),
-        and ManiSkill keeps simulating (terminations ignored, ``truncated`` stays true): drop the flag."""
-
-        def step(self, actions):
-            self._autoreset_envs[:] = False
-            return super().step(actions)
-
-    return SteppableSyncVectorEnv
-
-
 class ManiSkillVecEnv:
     """``num_envs`` ManiSkill envs with a batched torch interface (see module docstring)."""
 
@@ -186,15 +176,9 @@ class ManiSkillVecEnv:
                 env = gym.make(env_id, obs_mode=obs_mode, **kwargs)
             self.env = ManiSkillVectorEnv(env, num_envs, auto_reset=False, ignore_terminations=True)
         else:
-            import gymnasium as gym
-            from gymnasium.vector import AutoresetMode
-
             make = functools.partial(_make_cpu_env, env_id, obs_mode, control_mode, reward_mode,
                                      self.max_episode_steps, render, fresh_scene, camera_size, num_points)
-            cls = _steppable_sync_vector_env() if num_envs == 1 else gym.vector.AsyncVectorEnv
-            # spawn, not fork: forking a process that already runs torch threads can deadlock
-            kwargs = {} if num_envs == 1 else {"daemon": True, "context": "spawn"}
-            self.env = cls([make] * num_envs, autoreset_mode=AutoresetMode.DISABLED, **kwargs)
+            self.env = vector_env(make, num_envs, in_process=num_envs == 1)
             if obs_mode in VISUAL_MODES:
                 state_dim = self.env.get_attr("state_dim")[0]
         self.task_flags: dict[str, torch.Tensor] = {}  # set by each step
@@ -308,9 +292,11 @@ def _is_flag(value, num_envs: int) -> bool:
 
 
 def make_env(env_id: str = "PickCube-v1", num_envs: int = 1, **kwargs):
-    """``num_envs`` envs of ``env_id``: a ManiSkill task (``ManiSkillVecEnv``), or a fast torch task
-    (``flowlib.fast_envs``, whose ``backend`` is "auto", "torch_cpu" or "torch_cuda"; ManiSkill's names map to
-    them, so one params file serves both)."""
+    """``num_envs`` envs of ``env_id``: a ManiSkill task (``ManiSkillVecEnv``), a Meta-World task by its v3 name
+    (``flowlib.metaworld_envs``, MuJoCo on the CPU), or a fast torch task (``flowlib.fast_envs``, whose ``backend`` is
+    "auto", "torch_cpu" or "torch_cuda"; ManiSkill's names map to them, so one params file serves both)."""
+    if is_metaworld(env_id):
+        return MetaWorldVecEnv(env_id, num_envs, **kwargs)
     if is_fast(env_id):
         backend = kwargs.pop("backend", "auto")
         kwargs["backend"] = {"physx_cpu": "torch_cpu", "physx_cuda": "torch_cuda"}.get(backend, backend)

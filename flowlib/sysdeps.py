@@ -3,7 +3,8 @@
 Stdlib only, so it runs before the virtualenv exists.  ManiSkill3's SAPIEN needs a Vulkan device
 even for state observations.  On a machine without a GPU that is Mesa's lavapipe, and SAPIEN
 rejects Mesa 22's (Debian bookworm) with "failed to find a rendering device"; Mesa 25 from
-bookworm-backports works.  With an NVIDIA driver present nothing is needed.
+bookworm-backports works.  With an NVIDIA driver present nothing is needed.  Meta-World's rendered frames (notebook
+01's rollout picture) use MuJoCo's OSMesa backend: Debian's ``libosmesa6``, from the release's own suite.
 
 Run as root on Debian this installs what is missing; otherwise it prints the command to run.
 """
@@ -18,7 +19,32 @@ from pathlib import Path
 
 MESA_MIN_MAJOR = 23
 PACKAGES = ["mesa-vulkan-drivers", "libvulkan1"]
+OSMESA = "libosmesa6"  # MuJoCo's software renderer (MUJOCO_GL=osmesa): flowlib.metaworld_envs
 BACKPORTS_FILE = Path("/etc/apt/sources.list.d/flowlib-backports.sources")
+
+
+def installed(package: str) -> bool:
+    """Whether Debian's ``package`` is installed (False off Debian)."""
+    if not shutil.which("dpkg-query"):
+        return False
+    out = subprocess.run(["dpkg-query", "-W", "-f=${Status}", package], capture_output=True, text=True)
+    return out.stdout.startswith("install ok installed")
+
+
+def ensure_osmesa() -> int:
+    """Install ``libosmesa6`` where it is missing on Debian as root; else say what to run."""
+    if installed(OSMESA) or not shutil.which("apt-get"):
+        return 0
+    if os.geteuid() != 0:
+        print(f"system-deps: Meta-World's rendered frames need {OSMESA}; run as root: apt-get install -y {OSMESA}")
+        return 0
+    print(f"system-deps: installing {OSMESA} (Meta-World's frames) ...", flush=True)
+    rc = subprocess.run(["sh", "-c", f"( apt-get install -y {OSMESA} || ( apt-get update && apt-get install -y "
+                                     f"{OSMESA} ) ) > /tmp/flowlib-osmesa.log 2>&1"],
+                        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}).returncode
+    if rc:
+        print(f"system-deps: {OSMESA} install failed; see /tmp/flowlib-osmesa.log (only Meta-World's frames need it)")
+    return 0
 
 
 def mesa_major() -> int | None:
@@ -104,4 +130,5 @@ def _report() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    sys.exit(rc or ensure_osmesa())
