@@ -16,7 +16,10 @@ over the episode (``return_diff``, ``flowlib.metrics.paired_means``).  ``--act-h
 checkpoint executing that many actions of every chunk (re-planning more or less often than it was trained
 to; rows ``<label>@ah<n>``).  ``--noisy`` runs stage-3 checkpoints with their exploration noise (rows
 ``<label>@noisy``): the policy PPO improves, next to the deterministic one it deploys; their step noise is
-one stream per checkpoint, so those rows depend on ``--num-envs``.  Writes ``results.csv`` (one row per
+one stream per checkpoint, so those rows depend on ``--num-envs``.  ``--steps 1 2 4`` scores each checkpoint at
+each number of denoising steps (rows ``<label>@K<n>``): a stage-1/2 policy's ODE, and a chain ReinFlow agent's
+fine-tuned velocity net at step size ``1/K`` (``ReinFlowAgent.set_inference_steps``), so it shows whether RL kept
+ShortCut's few-step property.  Writes ``results.csv`` (one row per
 checkpoint), ``per_episode.csv`` (success), ``per_episode_return.csv`` and ``summary.json`` under
 ``outputs/evaluate/<run_name>/``.  Where the task reports more evaluation flags than success (PickCube:
 ``is_grasped``, ``is_obj_placed``, ``is_robot_static``), each row also gives the share of episodes in which
@@ -71,16 +74,31 @@ def labels(paths: list[str | Path]) -> dict[Path, str]:
     return names
 
 
-def label(name: str, act_horizon: int | None = None, noisy: bool = False) -> str:
+def label(name: str, act_horizon: int | None = None, noisy: bool = False, steps: int | None = None) -> str:
     """A row's name: the checkpoint's (``labels``), ``@ah<n>`` with an act-horizon override, ``@noisy`` for a
-    stage-3 policy run with its exploration noise."""
-    return name + ("" if act_horizon is None else f"@ah{act_horizon}") + ("@noisy" if noisy else "")
+    stage-3 policy run with its exploration noise, ``@K<n>`` at a chosen number of denoising steps."""
+    return (name + ("" if act_horizon is None else f"@ah{act_horizon}") + ("@noisy" if noisy else "")
+            + ("" if steps is None else f"@K{steps}"))
+
+
+def set_steps(policy, steps: int | None, inference_steps: int) -> int:
+    """The ``num_steps`` to pass ``bc.evaluate`` for ``policy`` at ``steps`` denoising steps (``None``: its own),
+    setting a chain agent's K; a stage-3 policy that is not a chain (a steer of a frozen flow, a Gaussian) is
+    refused in one line."""
+    if steps is None:
+        return inference_steps
+    if hasattr(policy, "set_inference_steps"):
+        policy.set_inference_steps(steps)
+    elif not isinstance(policy, bc.FlowPolicy):
+        raise ValueError(f"--steps applies to flow policies and chain ReinFlow agents; a {type(policy).__name__} "
+                         "has no number of denoising steps to set: evaluate it without --steps")
+    return steps
 
 
 def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, seed: int, inference_steps: int,
                          backend: str = "auto", max_episode_steps: int | None = None,
                          act_horizons: list[int] | None = None, noisy: bool = False,
-                         fresh_scene: bool | None = None) -> dict[str, dict]:
+                         fresh_scene: bool | None = None, steps: list[int] | None = None) -> dict[str, dict]:
     """``{label: bc.evaluate result}`` for each checkpoint (at each of ``act_horizons``, when given),
     all on the same episodes and one env.  ``noisy``: stage-3 checkpoints sample their noisy chain (the policy
     that collected their training data), each from a generator seeded with ``seed``, so all of them meet the
@@ -89,13 +107,16 @@ def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, 
     episodes do not depend on the ones run before them (``flowlib.envs``)."""
     names = labels(paths)
     loaded = {p: load_checkpoint_policy(p, noisy) for p in paths}
-    horizons = act_horizons or [None]
-    if len(set(horizons)) != len(horizons):
-        raise ValueError(f"act horizons {horizons} repeat a value; give each once")
+    horizons, step_counts = act_horizons or [None], steps or [None]
+    for what, values in (("act horizons", horizons), ("step counts", step_counts)):
+        if len(set(values)) != len(values):
+            raise ValueError(f"{what} {values} repeat a value; give each once")
     for policy, _ in loaded.values():  # fail before the env starts
         for ah in horizons:
             if ah is not None:
                 bc.check_act_horizon(ah, policy.obs_horizon, policy.pred_horizon)
+        for K in step_counts:
+            set_steps(policy, K, inference_steps)
     env_ids = {meta["env_id"] for _, meta in loaded.values()}
     modes = {meta["control_mode"] for _, meta in loaded.values()}
     if len(env_ids) != 1 or len(modes) != 1:
@@ -116,10 +137,12 @@ def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, 
             for ah in horizons:
                 if ah is not None:
                     set_act_horizon(policy, ah)
-                if explores:
-                    policy.explore = torch.Generator().manual_seed(seed)
-                result = bc.evaluate(policy, env, episodes, inference_steps, seed=seed)
-                results[label(names[Path(path)], ah, explores)] = {**result, "act_horizon": policy.act_horizon}
+                for K in step_counts:
+                    num_steps = set_steps(policy, K, inference_steps)
+                    if explores:
+                        policy.explore = torch.Generator().manual_seed(seed)
+                    result = bc.evaluate(policy, env, episodes, num_steps, seed=seed)
+                    results[label(names[Path(path)], ah, explores, K)] = {**result, "act_horizon": policy.act_horizon}
     return results
 
 
@@ -155,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inference-steps", type=int, default=4, help="ODE steps of stage-1/2 policies (stage 3 uses its K)")
     ap.add_argument("--act-horizon", type=int, nargs="+", default=None, metavar="N",
                     help="actions executed per chunk (default: each checkpoint's own); several: one row per value")
+    ap.add_argument("--steps", type=int, nargs="+", default=None, metavar="K",
+                    help="denoising steps: each checkpoint at each K (a chain agent's fine-tuned net at step 1/K); "
+                         "rows <label>@K<n>")
     ap.add_argument("--max-episode-steps", type=int, default=None, help="default: the task's evaluation length")
     ap.add_argument("--noisy", action="store_true",
                     help="stage-3 checkpoints run their noisy chain (the noise their run had at that point)")
@@ -170,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results = evaluate_checkpoints(args.checkpoints, args.episodes, args.num_envs, args.seed,
                                        args.inference_steps, args.backend, args.max_episode_steps, args.act_horizon,
-                                       args.noisy, fresh_scene=False if args.reuse_scene else None)
+                                       args.noisy, fresh_scene=False if args.reuse_scene else None,
+                                       steps=args.steps)
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -406,6 +406,18 @@ class ReinFlowAgent(CriticStateNorm, bc.ChunkPolicy):
         x = chain[:, -1, start:start + self.act_horizon]
         return self.action_normalizer.unnormalize(x).clamp(-1.0, 1.0)
 
+    def set_inference_steps(self, K: int) -> None:
+        """Run the chain at ``K`` denoising steps from now on (evaluation): the fine-tuned ShortCut velocity net
+        conditioned on the step size ``d = 1/K`` (ShortCut, Frans et al. 2024, Eq. 2), so a policy trained at one K
+        can be scored at another, whether RL kept ShortCut's few-step property or not.  A step may not be finer
+        than the flow was trained for (``K <= shortcut_max_steps``), as for a stage-1 policy."""
+        max_steps = self.meta["shortcut_max_steps"]
+        if not 1 <= K <= max_steps:
+            raise ValueError(f"K = {K} is outside [1, shortcut_max_steps = {max_steps}], the steps the flow was trained "
+                             "for (stage 1's shortcut_max_steps)")
+        self.K, self.d = K, 1.0 / K
+        self.eligible = stochastic_steps(self.noise_method, K)
+
     @torch.no_grad()
     def act(self, obs_window: torch.Tensor, num_steps: int | None = None, generator: torch.Generator | None = None,
             x0: torch.Tensor | None = None):

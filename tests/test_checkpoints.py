@@ -80,3 +80,21 @@ def test_a_policy_checkpoint_is_refused_as_a_stage3_one(kind):
 def test_a_stage3_checkpoint_is_refused_as_a_policy():
     with pytest.raises(ValueError, match="not a flowlib flow-policy checkpoint"):
         bc.load_policy(FIXTURES / "chain_ppo.pt")
+
+
+def test_a_chain_agent_runs_at_another_number_of_steps_and_a_steer_is_refused_in_one_line():
+    """flowlib.evaluate --steps: the fine-tuned chain at K steps of size 1/K; the agent's own K reproduces its act."""
+    from flowlib import evaluate
+    agent = stage3.load_agent(FIXTURES / "chain_ppo.pt")
+    window = torch.randn(3, agent.obs_horizon, agent.obs_dim)
+    own = agent.act(window, generator=torch.Generator().manual_seed(0))
+    K = agent.K
+    agent.set_inference_steps(1)
+    chain, _ = agent.sample(window, torch.Generator().manual_seed(0), deterministic=True)
+    assert chain.shape[1] == 2 and agent.d == 1.0  # x_0 and one step of size 1
+    agent.set_inference_steps(K)
+    assert torch.equal(agent.act(window, generator=torch.Generator().manual_seed(0)), own)
+    with pytest.raises(ValueError, match="outside \\[1, shortcut_max_steps"):
+        agent.set_inference_steps(agent.meta["shortcut_max_steps"] + 1)
+    with pytest.raises(ValueError, match="--steps applies to flow policies and chain ReinFlow agents"):
+        evaluate.set_steps(stage3.load_agent(FIXTURES / "latent_ppo.pt"), 2, 4)

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("metaworld", reason="the metaworld extra (make install installs it)")
 
-from flowlib import bc, metaworld_envs, stage3  # noqa: E402
+from flowlib import bc, evaluate, metaworld_envs, stage3  # noqa: E402
 from flowlib.data import ChunkDataset, demo_path, generate_demos, load_demos  # noqa: E402
 from flowlib.envs import check_env_id, control_mode, make_env  # noqa: E402
 from flowlib.smdp import ChunkRunner  # noqa: E402
@@ -151,6 +151,11 @@ def test_stage_one_then_two_iterations_of_chain_ppo_on_a_metaworld_task(tmp_path
     assert len(tracker.rows) == 2 and all(np.isfinite(r["policy_loss"]) for r in tracker.rows), tracker.rows
     loaded = stage3.load_agent(run / "last.pt")
     assert loaded.meta["env_id"] == TASK and loaded.meta["control_mode"] == "mocap_delta_pos"
+    # the paired evaluation at several step counts: the stage-1 ODE and the fine-tuned chain at K = 1 and 2
+    results = evaluate.evaluate_checkpoints([start / "best_model.pt", run / "last.pt"], 2, 2, 30_000, 4,
+                                            max_episode_steps=steps, steps=[1, 2])
+    assert list(results) == ["tiny/best_model.pt@K1", "tiny/best_model.pt@K2", "tiny/last.pt@K1", "tiny/last.pt@K2"]
+    assert all(len(r["per_episode_success_once"]) == 2 for r in results.values())
 
 
 def test_a_worker_that_fails_raises_its_traceback_in_the_parent():
