@@ -6,7 +6,9 @@ Modules (each with one job):
     metrics   distances between sample sets (sliced Wasserstein); paired and clustered standard errors
     toy2d     2D targets, the exact velocity of a Gaussian mixture, the notebook-00 experiment
     unet      ShortCutVelocityUNet1D, the 1D temporal U-Net over action chunks
-    envs      ManiSkill3 envs, batched torch interface (physx_cuda or AsyncVectorEnv on CPU)
+    envs      ManiSkill3 envs, batched torch interface (physx_cuda or AsyncVectorEnv on CPU); make_env for every backend
+    metaworld_envs  Meta-World v3 (MuJoCo) tasks: seeded positions per episode, worker groups, the scripted experts
+    vector    gymnasium's vector envs as the CPU simulators use them; EnvGroups, a group of envs per worker process
     data      motion-planning demos, trajectory files, normalisers, chunk windows
     bc        stage 1: ShortCut BC policy, training loop, checkpoints, evaluation
     critic    chunk-level semi-MDP transitions, IQL / Monte-Carlo critics, AWR weights
@@ -38,6 +40,6 @@ Modules (each with one job):
     run       `python -m flowlib.run NOTEBOOK --params FILE`: papermill runner
     export    `python -m flowlib.export`: notebooks as HTML pages whose equations render offline
     progress  progress bars in JupyterLab and a terminal, plain lines in a headless run
-    sysdeps   system packages the simulator needs (`make system-deps`)
+    sysdeps   system packages the simulators need (`make system-deps`)
 """
 __version__ = "0.1.0"
