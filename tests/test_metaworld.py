@@ -24,16 +24,23 @@ def expert_actions(env, obs: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(np.stack([policy.get_action(o.double().numpy()) for o in obs]), dtype=torch.float32)
 
 
+def rollout(env, seed, actions: torch.Tensor) -> torch.Tensor:
+    """Observations ``[T + 1, N, 39]`` of episodes from ``seed`` under ``actions [T, N, 4]``."""
+    obs = [env.reset(seed=seed)]
+    return torch.stack(obs + [env.step(a)[0] for a in actions])
+
+
 def test_an_episode_depends_on_its_seed_alone_not_on_num_envs_or_what_ran_before():
+    actions = torch.rand(25, 3, 4, generator=torch.Generator().manual_seed(0)) * 2 - 1
     with make_env(TASK, 1) as one, make_env(TASK, 3) as three:
-        alone = one.reset(seed=7)
-        for _ in range(30):  # run another episode in between: the next reset must not remember it
+        alone = rollout(one, 7, actions[:, :1])
+        for _ in range(30):  # run another episode in between: the next one must not remember it
             one.step(torch.ones(1, 4))
-        again = one.reset(seed=7)
-        batched = three.reset(seed=5)  # env 2 gets seed 7
+        again = rollout(one, 7, actions[:, :1])
+        batched = rollout(three, 5, actions[:, [1, 2, 0]])  # env 2 gets seed 7 and env 0's actions
         listed = three.reset(seed=[7, 0, 1])
-    assert torch.equal(alone, again) and torch.equal(alone[0], batched[2]) and torch.equal(alone[0], listed[0])
-    assert not torch.equal(batched[0, GOAL], batched[1, GOAL])  # another seed, another goal
+    assert torch.equal(alone, again) and torch.equal(alone[:, 0], batched[:, 2]) and torch.equal(alone[0, 0], listed[0])
+    assert not torch.equal(batched[0, 0, GOAL], batched[0, 1, GOAL])  # another seed, another goal
 
 
 def test_held_out_seeds_give_object_and_goal_positions_no_demo_and_no_training_episode_used():
