@@ -39,7 +39,9 @@ def test_demos_generate_and_replay_in_the_tasks_control_mode(env_id, demos):
     path = demos[env_id]
     assert path.name == f"demos_3.state.{control_mode(env_id)}.physx_cpu.h5"
     episodes = load_demos(path)
-    assert len(episodes) == 3 and all(ep.success[-1] for ep in episodes)
+    # ManiSkill's replay keeps only the demos whose conversion to the task's control mode still succeeds: for
+    # PegInsertionSide's pd_ee_delta_pose 186 of 200 (docs/results/tasks.md), and 2 of these 3 on 2026-12-06's install
+    assert 2 <= len(episodes) <= 3 and all(ep.success[-1] for ep in episodes)
     assert all(ep.obs.shape == (len(ep) + 1, obs_dim) and ep.actions.shape == (len(ep), action_dim) for ep in episodes)
     assert all(len(ep) < tasks.task(env_id).episode_steps for ep in episodes)  # the episode length fits the demos
     # the demo's actions from its seed in flowlib's env give the demo's observations (the replay is the env's), but
