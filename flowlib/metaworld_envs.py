@@ -152,13 +152,13 @@ class MetaWorldGroup:
         for i, (env, seed) in enumerate(zip(self.envs, seeds)):
             if seed is not None:
                 self.obs[i] = env.reset(seed)
-        return self.obs.copy()
+        return self.obs  # pickled to the parent, or copied by its concatenate
 
     def step(self, actions: np.ndarray):
         """``actions [M, 4]`` -> obs ``[M, 39]``, reward ``[M]``, truncated ``[M]``, success ``[M]``, flags ``[M, F]``."""
         out = [env.step(a) for env, a in zip(self.envs, actions)]
         self.obs = np.stack([o[0] for o in out])
-        return (self.obs.copy(), np.array([o[1] for o in out], np.float32), np.array([o[2] for o in out]),
+        return (self.obs, np.array([o[1] for o in out], np.float32), np.array([o[2] for o in out]),
                 np.array([o[3] for o in out]), np.array([o[4] for o in out], bool).reshape(len(out), len(FLAGS)))
 
     def render(self) -> np.ndarray:
@@ -207,8 +207,8 @@ class MetaWorldVecEnv:
 
     def _reset(self, seeds: list[int | None]) -> torch.Tensor:
         obs = self.groups.call("reset", [([seeds[i] for i in s],) for s in self.groups.slices])
-        self.privileged = torch.as_tensor(np.concatenate(obs))
-        return self.privileged.clone()
+        self.privileged = torch.as_tensor(np.concatenate(obs))  # a fresh array: nothing else holds it
+        return self.privileged
 
     def reset(self, seed: int | list[int] | None = None) -> torch.Tensor:
         """New episodes in every env: env ``i`` from ``seed + i`` (or ``seed[i]``; random seeds when None); obs
@@ -239,8 +239,8 @@ class MetaWorldVecEnv:
         out = self.groups.call("step", [(actions[s],) for s in self.groups.slices])
         obs, reward, truncated, success, flags = (torch.as_tensor(np.concatenate(x)) for x in zip(*out))
         self.task_flags = {name: flags[:, j] for j, name in enumerate(FLAGS)}
-        self.privileged = obs
-        return obs.clone(), reward, torch.zeros(self.num_envs, dtype=torch.bool), truncated, success
+        self.privileged = obs  # the state observation itself, as ManiSkillVecEnv's in obs mode state
+        return obs, reward, torch.zeros(self.num_envs, dtype=torch.bool), truncated, success
 
     def snapshot(self) -> list:
         raise ValueError("snapshot / restore (branch advantages) are written for ManiSkill's physx_cpu and the fast "
