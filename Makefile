@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.py))
 DEMO_NOTEBOOKS := 00_flows_2d 01_shortcut_bc 02_aw_shortcut 03_reinflow 04_flow_sde 05_ablation_report 06_steering
 
-.PHONY: install system-deps demo test unit nbval sync notebooks strip lab html check-pairs clean
+.PHONY: install system-deps demo test test-fast unit nbval sync notebooks strip lab html check-pairs clean
 
 install: system-deps $(STAMP)
 
@@ -36,6 +36,12 @@ demo: install
 test: install
 	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
 	FLOWLIB_OUTPUTS=$$tmp $(PY) -m pytest tests notebooks --nbval-lax -v -rs --durations=15
+
+# The quick lane (~3 min on 2 cores): the unit tests without a real simulator, a notebook run or a Ray head
+# (the `sim` and `slow` markers, tests/conftest.py); `make test` still runs everything.
+test-fast: install
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	FLOWLIB_OUTPUTS=$$tmp $(PY) -m pytest tests -m "not sim and not slow" -q --durations=10
 
 unit: install
 	$(PY) -m pytest tests

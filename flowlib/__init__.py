@@ -34,6 +34,7 @@ Modules (each with one job):
     evaluate  `python -m flowlib.evaluate`: checkpoints on the same fresh episodes, differences paired per episode
     seeds     `python -m flowlib.seeds`: a result over seeds from evaluate folders (spread, pooled rate)
     sweep     `python -m flowlib.sweep run|monitor`: notebook x params folder x seeds; the sweep report
+    schedules the learning-rate and exploration-noise schedules over training progress, defined once
     config    typed, validated parameters (unknown keys, wrong types, out-of-range and NaN values rejected)
     runs      run folders under outputs/, atomic writes
     tracking  metrics to files, optionally W&B (offline by default)

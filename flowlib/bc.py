@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from .flows import ShortCut
 from .guards import require_finite
 from .policy_eval import evaluate  # noqa: F401  (bc.evaluate: what every stage scores a policy with)
 from .runs import load_torch, rng_state, save_torch, set_rng_state
+from .schedules import LR_SCHEDULES, warmup_then
 from .unet import ChunkVelocityMLP, ShortCutVelocityUNet1D
 from .visual import augment_window, check_obs_mode
 from .visual_demos import VisualChunkDataset, replay_visual
@@ -329,19 +329,12 @@ def batches(dataset, policy: FlowPolicy, device, random_shift: int = 0):
     return lambda idx: (obs_all[idx], act_all[idx])
 
 
-LR_SCHEDULES = ("cosine", "constant")
-
-
 def cosine_with_warmup(optimizer, warmup_steps: int, total_steps: int, schedule: str = "cosine"):
-    """Linear warm-up to the base LR, then cosine decay to zero (or, ``schedule="constant"``, the base LR)."""
-    def factor(step):
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if schedule == "constant":
-            return 1.0
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    """Linear warm-up to the base LR, then cosine decay to zero (or, ``schedule="constant"``, the base LR):
+    ``schedules.warmup_then``."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(warmup_then, schedule,
+                                                                          warmup_steps=warmup_steps,
+                                                                          total_steps=total_steps))
 
 
 def train(cfg, dataset: ChunkDataset, run_path: Path, tracker=None, env=None,

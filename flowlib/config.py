@@ -231,14 +231,18 @@ COMMON_HELP = {
 
 
 def field_help(cls) -> dict[str, str]:
-    """Each field's one-line help: the comment after its declaration in the class, or in the nearest base class
+    """Each field's help on one line: the comment after its declaration in the class (with the comment-only lines
+    that continue it, whole), or in the nearest base class
     that has one (a subclass that only changes defaults keeps its bases' help), else ``COMMON_HELP``'s."""
     out: dict[str, str] = {}
     for klass in cls.__mro__:
         if not dataclasses.is_dataclass(klass):
             continue
-        for m in re.finditer(r"^    (\w+): [^=\n]+=[^\n#]*#\s*(.+)$", inspect.getsource(klass), re.M):
-            out.setdefault(m.group(1), m.group(2).strip())
+        # the comment after the declaration, and the comment-only lines below it indented past the fields (a section
+        # comment between fields sits at the fields' indent and is not one)
+        for m in re.finditer(r"^    (\w+): [^=\n]+=[^\n#]*#\s*(.+)$((?:\n[ \t]{5,}#.*$)*)", inspect.getsource(klass), re.M):
+            more = [line.strip().lstrip("#").strip() for line in m.group(3).splitlines() if line.strip()]
+            out.setdefault(m.group(1), " ".join([m.group(2).strip(), *more]))
     names = {f.name for f in dataclasses.fields(cls)}
     return {**{k: v for k, v in COMMON_HELP.items() if k in names}, **out}
 

@@ -28,39 +28,10 @@ import torch
 from . import bc, progress
 from .config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from .runs import load_torch, rng_state, save_torch, set_rng_state
+from .schedules import LR_SCHEDULES, NOISE_SCHEDULES, lr_factor, noise_schedule  # noqa: F401  (loop.lr_factor, loop.noise_schedule)
 from .smdp import REACH_ENVS, REWARDS, ChunkRunner
 
 CHECKPOINT_FORMAT = "flowlib.reinflow/1"  # every stage-3 checkpoint, whatever its method (the name is historical)
-NOISE_SCHEDULES = ("constant", "linear", "exp")
-
-
-def noise_schedule(kind: str, progress: float, init: float, final: float) -> float:
-    """The exploration std's upper bound at training ``progress`` in [0, 1] (ReinFlow's decaying exploration).
-
-    constant: ``init``; linear: ``init + (final - init) p``; exp: ``final + (init - final) exp(-3p)``.
-    """
-    p = min(max(progress, 0.0), 1.0)
-    if kind == "constant":
-        return init
-    if kind == "linear":
-        return init + (final - init) * p
-    if kind == "exp":
-        return final + (init - final) * math.exp(-3.0 * p)
-    raise ValueError(f"noise schedule must be one of {NOISE_SCHEDULES}, got {kind!r}")
-
-
-LR_SCHEDULES = ("constant", "cosine")
-
-
-def lr_factor(kind: str, progress: float, min_ratio: float) -> float:
-    """The learning rates' multiplier at training ``progress`` in [0, 1]: constant 1, or (``"cosine"``, ReinFlow's
-    ``CosineAnnealingWarmupRestarts`` without restarts) ``r + (1 - r) (1 + cos(pi p)) / 2``, ``r = min_ratio``."""
-    if kind == "constant":
-        return 1.0
-    if kind == "cosine":
-        p = min(max(progress, 0.0), 1.0)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p))
-    raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {kind!r}")
 
 
 @dataclass

@@ -29,7 +29,7 @@
 # with $a_0 \sim \mathcal N(0, I)$ and $a_1$ the normalised demo chunk, $a_t = (1 - t)a_0 + t a_1$,
 # $$\mathcal L = \mathbb E\,\big\|s_\theta(a_t, t, d_\min \mid o) - (a_1 - a_0)\big\|^2
 #   + \mathbb E\,\big\|s_\theta(a_t, t, 2d \mid o) - \tfrac12\big[s(a_t, t, d \mid o) + s(a'_{t+d}, t + d, d \mid o)\big]_\text{EMA}\big\|^2 ,$$
-# the second term on a quarter of each batch. The same `flowlib.flows.ShortCut` as in notebook 00
+# the second term on a quarter of each batch. The same `flowlib.flows.ShortCut.loss` as in notebook 00
 # (no second copy); only the network changes: `ShortCutVelocityUNet1D`, Diffusion Policy's 1D
 # temporal U-Net with FiLM conditioning on $(t, d, o)$.
 #

@@ -95,9 +95,10 @@ print(f"run folder: {runs.shown(run_path)}; from {runs.shown(init_path)}; {env.n
 # %% [markdown]
 # ## 1 · The denoising MDP
 # With $K$ steps on the grid $t_k = k/K$, the flow's sampler becomes a Markov chain by adding learned noise at every
-# step (ReinFlow, Eq. 4):
+# step (ReinFlow, Eq. 4; `flowlib.flow_sde.sample_chain`):
 # $$x_{k+1} = x_k + v_\theta(x_k, t_k \mid o)\,\tfrac1K + \sigma_\theta(t_k, o)\,\epsilon_k,\qquad \epsilon_k\sim\mathcal N(0, I).$$
-# Each transition is Gaussian, so the chain has an **exact** log-likelihood (Eq. 5):
+# Each transition is Gaussian, so the chain has an **exact** log-likelihood (Eq. 5;
+# `flowlib.reinflow_agent.ReinFlowAgent.log_prob`):
 # $$\log\pi_\theta(x_{0:K}\mid o) = \sum_{k=0}^{K-1}\log\mathcal N\big(x_{k+1};\ x_k + v_\theta(x_k,t_k\mid o)/K,\ \sigma_\theta(t_k,o)^2 I\big).$$
 # $\sigma_\theta$ is a small network squashed into $[\sigma_\min, \sigma_\max]$, and $\sigma_\max$ decays during
 # training. The executed chunk is the first $T_a$ actions of $x_K$. Their other dims at the last step reach nothing,
@@ -132,7 +133,8 @@ print(f"chains {tuple(noisy.shape)} = [B, K+1, H, A]; log-probs of the 16 chains
 # ## 2 · PPO's ratio, and why it is 1 before an update
 # PPO compares the chain's likelihood under the weights being trained with the one it had when it was sampled,
 # $\rho = \exp\big(\log\pi_\theta(x_{0:K}\mid o) - \log\pi_{\theta_\text{old}}(x_{0:K}\mid o)\big)$, inside the clipped
-# surrogate $\mathbb E[\min(\rho A, \operatorname{clip}(\rho, 1\pm\epsilon)A)]$ (Schulman et al. 2017, Eq. 7). Sampling and
+# surrogate $\mathbb E[\min(\rho A, \operatorname{clip}(\rho, 1\pm\epsilon)A)]$ (Schulman et al. 2017, Eq. 7;
+# `flowlib.ppo.clipped_surrogate`). Sampling and
 # re-scoring are two code paths; with the same weights on the same time grid they must agree, so $\rho = 1$
 # exactly. Re-scoring on another grid than sampling (a bug of a public implementation) breaks this, and every
 # update checks it (`ppo.ppo_update`).
@@ -150,7 +152,7 @@ print(f"ratio == 1 before any update: {bool((ratio - 1).abs().max() < 1e-4)}")
 # %% [markdown]
 # ## 3 · One rollout, and GAE over chunk decisions
 # A decision runs $T_a$ actions, earning $R_c = \sum_{k<\tau}\gamma^k r_{c+k}$ over the $\tau \le T_a$ steps that ran,
-# so the chunks form a semi-MDP. GAE (Schulman et al. 2016, Eq. 16) runs over decisions with the per-decision
+# so the chunks form a semi-MDP. GAE (Schulman et al. 2016, Eq. 16; `flowlib.ppo.gae`) runs over decisions with the per-decision
 # discount $\gamma^\tau$:
 # $$\delta_c = R_c + \gamma^{\tau}(1-\text{term}_c)\,V(s_{c+\tau}) - V(s_c),\qquad A_c = \delta_c + \gamma^{\tau}\lambda\,(1-\text{end}_c)\,A_{c+1}.$$
 # With the sparse reward a success pays 1 and ends the episode (no bootstrap); the time limit bootstraps from $V$.

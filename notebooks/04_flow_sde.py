@@ -30,6 +30,7 @@
 # **Score from velocity.** Since $x_t = x_0 + t(x_1-x_0)$, $\ \mathbb E[x_0\mid x_t=x] = x - t\,v(x,t)$, and
 # Tweedie's formula for the Gaussian part $(1-t)x_0$ gives
 # $$\nabla_x\log p_t(x) = -\frac{\mathbb E[x_0\mid x_t=x]}{1-t} = -\frac{x - t\,v(x,t)}{1-t}.$$
+# (`flowlib.flow_sde.score_from_velocity`)
 #
 # **SDEs with the ODE's marginals.** The probability-flow ODE $dx = v\,dt$ and, for any $\sigma_t$,
 # $$dx = \Big[v + \tfrac{\sigma_t^2}{2}\nabla\log p_t\Big]dt + \sigma_t\,dW
@@ -38,7 +39,7 @@
 # diffusion's $\tfrac{\sigma^2}{2}\Delta p$ (piRL Eq. 8 in our clock). piRL picks $\sigma_t = a\sqrt{t/(1-t)}$ in
 # its clock (Eq. 9), i.e. $\sigma_t = a\sqrt{(1-t)/t}$ in ours: large near the noise, zero at the data.
 # It is infinite at $t=0$; RLinf's guard, used here, puts $t=\Delta t$ in the denominator of the first step.
-# One Euler-Maruyama step is Gaussian:
+# One Euler-Maruyama step is Gaussian (`flowlib.flow_sde.transition`, scored by `flowlib.flow_sde.gaussian_log_prob`):
 # $$\mu_k = x_k + \Big[v - \frac{\sigma_{t_k}^2}{2(1-t_k)}(x_k - t_k v)\Big]\Delta t,\qquad
 #   \Sigma_k = \sigma_{t_k}^2\,\Delta t\; I .$$
 # At $a=0$ it is the ODE step.

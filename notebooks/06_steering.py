@@ -24,7 +24,7 @@
 # the actions it proposes. Each is one entry of `flowlib.stage3.METHODS`, a `(steer, learner)` pair, trained by the
 # same loop (`flowlib.loop.train`) as chain ReinFlow; the table below is printed from the registry.
 #
-# **Steering $x_0$ instead** (`steer = "latent"`, `flowlib.latent`, DSRL's idea). The flow stays frozen and PPO
+# **Steering $x_0$ instead** (`steer = "latent"`, `flowlib.latent.LatentSteeringAgent`, DSRL's idea). The flow stays frozen and PPO
 # moves a Gaussian policy over the chain's start, $x_0 \sim \mathcal{N}(\mu_\phi(o), \sigma^2 I)$ with
 # $|\mu| \le b$; the chain is the ODE. The log-prob has $H \times A$ dims of std $\sim 1$ instead of
 # $K \times H \times A$ of std $\sim 0.1$, and re-scoring is one MLP call. At the start ($\mu = 0$) the noisy
@@ -50,7 +50,8 @@
 # Residual Policy Learning, Silver et al. 2018). The flow still re-plans every $T_a$ steps and its chunk runs open
 # loop; at every env step a residual actor $r_t = \mu_\phi(o_t, a_b)$, $|r_t| \le b$, corrects the base action due now
 # from the *current* observation, and $a_t = a_b + r_t$ runs. Each env step is one transition of an ordinary MDP with
-# state $s_t = (o_t, a_b)$, learned off-policy by TD3 (Fujimoto et al. 2018): twin critics on
+# state $s_t = (o_t, a_b)$, learned off-policy by TD3 (Fujimoto et al. 2018;
+# `flowlib.residual_td3.td3_update`): twin critics on
 # $y = R_t + \gamma (1 - \text{term}) \min_j \bar Q_j(s', \mathrm{clip}(\bar\mu(s') + \epsilon))$ and the deterministic
 # policy gradient $\nabla_\phi Q_1(s, \mu_\phi(s))$ every second critic step ($R_t$ is the step's reward, not the
 # residual). With `td3_n_step` $= n > 1$ the target sums $n$ rewards before it bootstraps,
@@ -130,7 +131,7 @@ max_noise_std: float = 0.05  # upper bound of the exploration std at the start; 
 final_noise_std: float = 0.05  # that bound at the end of noise_decay_steps
 noise_schedule: str = "constant"  # how the bound decays: "constant", "linear" or "exp"
 replay_batch_size: int = 64  # transitions per gradient step
-replay_updates_per_decision: float = 0.25  # gradient steps per stored decision (per env step for a
+replay_updates_per_decision: float = 0.25  # gradient steps per stored decision (per env step for a per-step residual): the update-to-data ratio
 total_env_steps: int = 1024  # the run's budget
 rollout_steps: int = 8  # decisions per env per iteration (chunks; a per-step residual: chunks of steps)
 gamma: float = 0.8  # discount per env step

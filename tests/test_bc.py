@@ -264,6 +264,7 @@ TASK_FLAGS = {"PickCube-v1": {"is_grasped", "is_obj_placed", "is_robot_static"},
               "StackCube-v1": {"is_cubeA_grasped", "is_cubeA_on_cubeB", "is_cubeA_static"}}
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("env_id", ["PickCube-v1", "PushCube-v1", "StackCube-v1"])
 def test_real_maniskill_env_on_cpu_has_the_batched_interface(env_id):
     with make_env(env_id, 1, max_episode_steps=5) as env:
@@ -294,6 +295,7 @@ def grasp_cubes(env, obs, steps=20):
     return obs
 
 
+@pytest.mark.sim
 def test_a_reset_does_not_carry_the_previous_episodes_grasp_into_the_first_observation():
     with make_env("PickCube-v1", 2, max_episode_steps=50, backend="physx_cpu") as env:
         obs = grasp_cubes(env, env.reset(seed=[0, 1]))
@@ -326,6 +328,7 @@ def carry_episode(env, seed, steps=50):
     return torch.stack(out + [obs[0]]).numpy()
 
 
+@pytest.mark.sim
 def test_a_fresh_scene_runs_an_episode_the_same_whatever_ran_before_it(monkeypatch):
     """PhysX keeps contact state across a physx_cpu reset that ManiSkill's state dict does not show: on the machines
     here episode 3 after episodes 1 and 2 grips differently the second time round (from step 26; 5 cm by step 50).
@@ -343,6 +346,7 @@ def test_a_fresh_scene_runs_an_episode_the_same_whatever_ran_before_it(monkeypat
         make_env("PickCube-v1", 2, fresh_scene=True)  # auto: physx_cuda where there is a GPU
 
 
+@pytest.mark.sim
 def test_policy_rolls_in_a_real_pickcube_env(tmp_path):
     policy, _ = bc.train(tiny_cfg(train_steps=2), ChunkDataset(random_episodes(), 2, 16), tmp_path)
     with make_env("PickCube-v1", 1, max_episode_steps=10) as env:
@@ -382,6 +386,7 @@ def test_evaluate_counts_a_task_flag_once_per_episode(tmp_path):
     assert never["flags_once"] == {"is_grasped": 0.0}
 
 
+@pytest.mark.sim
 def test_noisy_rollouts_are_recorded_as_episodes(tmp_path):
     policy, _ = bc.train(tiny_cfg(train_steps=2), ChunkDataset(random_episodes(), 2, 16), tmp_path)
     with make_env("PickCube-v1", 2, max_episode_steps=10) as env:
@@ -396,6 +401,7 @@ def test_noisy_rollouts_are_recorded_as_episodes(tmp_path):
     assert np.allclose(ep.obs[0], ep_noisy.obs[0])  # same env seeds
 
 
+@pytest.mark.sim
 def test_an_episode_does_not_depend_on_how_episodes_are_batched(tmp_path):
     """Episode i's env seed and policy noise both come from seed + i, so 1 env and 2 envs run the same episodes."""
     policy, _ = bc.train(tiny_cfg(train_steps=2), ChunkDataset(random_episodes(), 2, 16), tmp_path)

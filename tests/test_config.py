@@ -158,12 +158,20 @@ def test_a_renamed_key_names_its_new_name():
 
 
 def test_each_method_takes_its_own_fields_and_the_shared_ones():
-    validate(Stage3Config, {"ent_coef": 0.05, "clip_coef": 0.3, "update_epochs": 8})
-    validate(Stage3Config, {**TD3, "td3_n_step": 3, "residual_l2": 0.1, "replay_size": 1000, "target_tau": 0.01,
-                            "residual_hidden_dims": [64]})
-    validate(Stage3Config, {**SAC, "sac_target_kl": 0.2, "replay_size": 1000, "target_tau": 0.01,
-                            "latent_bound": 2.0, "latent_hidden_dims": [64]})
-    validate(Stage3Config, {"steer": "residual", "residual_per": "chunk", "residual_bound": 0.3})
+    ppo = validate(Stage3Config, {"ent_coef": 0.05, "clip_coef": 0.3, "update_epochs": 8})
+    assert (ppo.ent_coef, ppo.clip_coef, ppo.update_epochs) == (0.05, 0.3, 8)
+    td3 = validate(Stage3Config, {**TD3, "td3_n_step": 3, "residual_l2": 0.1, "replay_size": 1000, "target_tau": 0.01,
+                                  "residual_hidden_dims": [64]})
+    assert (td3.learner, td3.td3_n_step, td3.residual_l2, td3.replay_size, td3.residual_hidden_dims) == \
+        ("td3", 3, 0.1, 1000, [64])
+    sac = validate(Stage3Config, {**SAC, "sac_target_kl": 0.2, "replay_size": 1000, "target_tau": 0.01,
+                                  "latent_bound": 2.0, "latent_hidden_dims": [64]})
+    assert (sac.learner, sac.sac_target_kl, sac.latent_bound, sac.latent_hidden_dims) == ("sac", 0.2, 2.0, [64])
+    chunk = validate(Stage3Config, {"steer": "residual", "residual_per": "chunk", "residual_bound": 0.3})
+    assert (chunk.steer, chunk.residual_per, chunk.residual_bound) == ("residual", "chunk", 0.3)
+    # a field of another method is refused, naming the method that reads it
+    with pytest.raises(ConfigError, match="td3_n_step"):
+        validate(Stage3Config, {"ent_coef": 0.05, "td3_n_step": 3})
 
 
 def test_a_checkpoints_config_drops_what_its_method_ignores_but_an_override_may_not_set_it():

@@ -1,6 +1,7 @@
 """The docs' own links: every relative link in README.md and docs/**/*.md reaches a file of the repo, and every
 ``#anchor`` a heading of its target (GitHub's slugs, as markdown-it's anchors plugin makes them); the README stays a
-front door, and every page of docs/ can be reached from docs/README.md."""
+front door, and every page of docs/ can be reached from docs/README.md; every equation the notebooks teach is one hop from its code."""
+import re
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,24 @@ def test_every_docs_page_is_reachable_from_the_docs_index():
         todo += [(page.parent / h.partition("#")[0]).resolve() for h in relative_links(page) if h.partition("#")[0]]
     orphans = sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "docs").rglob("*.md") if p.resolve() not in seen)
     assert not orphans, f"link these from docs/README.md (or a page it links): {orphans}"
+
+
+EQUATION_ROW = re.compile(r"^\| (\d\d) \|.*\| `(flowlib\.[\w.]+)` \|$")
+
+
+def test_every_equation_in_the_table_names_a_function_that_exists_and_its_notebook_names_it():
+    """docs/architecture.md's equation -> code table: one hop from a notebook's equation to the code that computes it."""
+    import importlib
+
+    rows = [m.groups() for line in (REPO_ROOT / "docs" / "architecture.md").read_text().splitlines()
+            if (m := EQUATION_ROW.match(line))]
+    assert len(rows) >= 15, "the equation table in docs/architecture.md lost its rows"
+    for notebook, name in rows:
+        module, *attrs = name.split(".")[1:]
+        obj = importlib.import_module(f"flowlib.{module}")
+        for a in attrs:
+            assert hasattr(obj, a), f"docs/architecture.md names {name}, which does not exist: fix the table"
+            obj = getattr(obj, a)
+        assert callable(obj), f"{name} is not a function or class"
+        [path] = (REPO_ROOT / "notebooks").glob(f"{notebook}_*.py")
+        assert f"`{name}`" in path.read_text(), f"{path.name} teaches the equation of {name} without naming it"

@@ -16,6 +16,7 @@ def record_make_env(monkeypatch) -> list[dict]:
     return made
 
 
+@pytest.mark.sim
 def test_two_runs_of_one_policy_score_the_same_episodes(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "outputs"))
     bc.train(tiny_cfg(train_steps=2), ChunkDataset(random_episodes(), 2, 16), tmp_path / "a")
@@ -56,6 +57,7 @@ def test_missing_and_foreign_checkpoints_are_named(tmp_path, capsys):
     assert "notes.pt is not a readable torch checkpoint" in err and "Traceback" not in err
 
 
+@pytest.mark.sim
 def test_act_horizon_override_re_plans_and_rejects_what_the_chunk_lacks(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "outputs"))
     bc.train(tiny_cfg(train_steps=2), ChunkDataset(random_episodes(), 2, 16), tmp_path / "a")

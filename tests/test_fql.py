@@ -17,6 +17,7 @@ def fql_for():
     return agent, torch.stack([dataset[i][0] for i in range(32)])
 
 
+@pytest.mark.slow
 def test_with_the_q_term_off_the_one_step_policy_learns_the_flows_chunk_for_the_same_noise():
     agent, obs = fql_for()
     for net in agent.q.nets:  # Q == 0 everywhere: dQ/da = 0, only the distillation pulls
@@ -70,6 +71,7 @@ def test_evaluation_draws_z_as_given_and_the_registry_wants_the_sparse_reward():
         stage3.Stage3Config(fql_alpha=3.0)
 
 
+@pytest.mark.slow
 def test_offline_training_on_fixed_decisions_fits_the_critic_and_marks_the_agent():
     """``train_offline`` (notebook 02's FQL row, stage 3's offline phase): on fixed decisions the twin Q's TD error
     falls, the one-step policy stays near the flow (alpha large), and the agent is marked so stage 3 skips it."""

@@ -105,6 +105,7 @@ def test_steering_x0_moves_the_commanded_displacement_within_the_bound():
         assert (push(x0) > mode + 1e-3).all() and (push(back) < mode - 1e-3).all()
 
 
+@pytest.mark.sim
 def test_the_steering_benchmark_stops_with_a_clear_message_when_the_policy_never_grasps(tmp_path, monkeypatch):
     from flowlib import bc
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "outputs"))

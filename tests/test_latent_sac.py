@@ -53,6 +53,7 @@ def test_the_replay_is_a_ring_that_drops_the_oldest_and_saves_what_it_holds():
         ReplayBuffer(5, (2, 3), (4, 2)).sample(2)
 
 
+@pytest.mark.slow
 def test_the_critics_fit_the_smdp_target_and_bootstrap_only_where_told():
     agent, obs = sac_agent()
     cfg = stage3.Stage3Config(**SAC, critic_lr=3e-3, target_tau=1.0)
@@ -80,6 +81,7 @@ def test_the_critics_fit_the_smdp_target_and_bootstrap_only_where_told():
     assert "policy_loss" not in out  # the critic warm-up leaves the actor alone
 
 
+@pytest.mark.slow
 def test_the_actor_moves_x0_toward_the_latents_that_paid_and_leaves_the_flow_as_it_was():
     agent, obs = sac_agent()
     flow = {k: v.clone() for k, v in agent.flow.net.state_dict().items()}
@@ -131,6 +133,7 @@ def test_the_config_refuses_sac_without_a_latent_policy_and_bad_sac_values():
         stage3.Stage3Config(**SAC, target_tau=0.0)
 
 
+@pytest.mark.sim
 def test_sac_runs_in_a_real_pickcube_env_and_resumes_with_its_replay(tmp_path):
     policy, _ = tiny_policy()
     path = tmp_path / "stage1.pt"

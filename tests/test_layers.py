@@ -12,8 +12,8 @@ FLOWLIB = REPO / "flowlib"
 
 # bottom to top; a module may import from its own layer and the ones before it
 LAYERS = {
-    "core": {"grad_signal", "config", "runs", "progress", "guards", "metrics", "nets", "flows", "unet", "flow_sde", "toy2d", "tracking",
-             "sysdeps"},
+    "core": {"grad_signal", "config", "runs", "progress", "guards", "metrics", "schedules", "nets", "flows", "unet", "flow_sde",
+             "toy2d", "tracking", "sysdeps"},
     "world": {"tasks", "fast_envs", "vector", "metaworld_envs", "visual", "envs", "data", "visual_demos", "smdp"},
     "policy": {"encoders", "policy_eval", "bc", "critic", "awsc"},
     "rl core": {"ppo", "buffers", "loop", "learners", "asymmetric"},

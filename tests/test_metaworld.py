@@ -13,6 +13,8 @@ from flowlib.envs import check_env_id, control_mode, make_env  # noqa: E402
 from flowlib.smdp import ChunkRunner  # noqa: E402
 from flowlib.tasks import task  # noqa: E402
 
+pytestmark = pytest.mark.sim  # every test here steps MuJoCo or runs the scripted experts
+
 TASK = "pick-place-v3"  # the expert solves it in ~50 steps
 GOAL, OBJ = slice(36, 39), slice(4, 7)
 POSITIONS = [*range(4, 7), *range(36, 39)]  # the object and the goal

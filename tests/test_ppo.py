@@ -108,6 +108,7 @@ def one_update(agent, batch, **cfg_kw):
     return ppo.ppo_update(agent, batch, opt_a, opt_c, cfg)
 
 
+@pytest.mark.slow
 def test_with_one_stochastic_step_the_joint_and_per_step_ratios_give_the_same_update():
     results = []
     for mode in ("joint", "per_step"):
@@ -172,6 +173,7 @@ def bandit_fine_tune(method, sign=1.0, iterations=20):
     return before, det()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["reinflow", "flow_sde"])
 def test_ppo_through_the_chain_raises_a_bandits_reward_and_a_flipped_advantage_lowers_it(method):
     before, after = bandit_fine_tune(method)

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -391,9 +392,8 @@ RESIDUAL = {"steer": "residual", "residual_per": "chunk", "reward": "shaped", "r
 FROZEN = {"freeze_obs_encoder": True}  # from a stage-1 policy with an obs_encoder (obs_emb_dim 8)
 
 
-@pytest.mark.parametrize("options", [{}, PIRL, BRANCH, LATENT, RESIDUAL, FROZEN],
-                         ids=["reinflow", "flow_sde_hybrid_grpo", "branch", "latent", "residual", "frozen_obs_encoder"])
-def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, options):
+def _fine_tune(tmp_path, monkeypatch, options):
+    """A tiny stage-1 policy, then two iterations of stage 3 with ``options`` in a real PickCube env (2 envs)."""
     eval_seeds = []  # periodic evaluations must use val_seed: eval_seed is kept for the report
     bc_evaluate = bc.evaluate
     monkeypatch.setattr(bc, "evaluate", lambda *a, seed, **kw: eval_seeds.append(seed) or bc_evaluate(*a, seed=seed, **kw))
@@ -410,81 +410,125 @@ def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, 
                                   **options)
     with make_env("PickCube-v1", 2, max_episode_steps=20) as env:
         agent, how = stage3.build_agent(cfg, stage3.init_checkpoint_path(cfg), env.spec)
-        assert how == "fresh"
         before = [p.clone() for p in agent.policy_parameters()]
         encoder = agent.actor.base.obs_encoder.state_dict() if frozen else {}
         encoder = {k: v.clone() for k, v in encoder.items()}
         tracker = Tracker(tmp_path / "run")
         out = stage3.train(cfg, agent, env, tmp_path / "run", tracker)
-    rows = tracker.rows
-    assert out["iterations"] == 2 and len(rows) == 2 and out["env_steps"] == 2 * per_iter
+    return SimpleNamespace(stage1=path, last=tmp_path / "run" / "last.pt", cfg=cfg, agent=agent, how=how, out=out,
+                           rows=tracker.rows, before=before, encoder=encoder, eval_seeds=eval_seeds, Ta=Ta,
+                           per_iter=per_iter)
+
+
+@pytest.fixture(scope="module")
+def reinflow_run(tmp_path_factory):
+    """Plain chain ReinFlow's two-iteration PickCube run, trained once for the tests of the benchmarks that read it."""
+    with pytest.MonkeyPatch.context() as mp:
+        yield _fine_tune(tmp_path_factory.mktemp("reinflow"), mp, {})
+
+
+def load_benchmark(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def gradient_snr(checkpoint, tmp_path, monkeypatch) -> dict:
+    """The gradient-SNR benchmark on ``checkpoint``: 2 rollouts x 2 envs = 4 independent units, over what PPO moves."""
+    monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "outputs"))
+    load_benchmark("gradient_snr").main([str(checkpoint), "--rollouts", "2", "--num-envs", "2", "--decisions", "3"])
+    return json.loads((tmp_path / "outputs" / "benchmarks" / "gradient_snr" / "default.json").read_text())
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("options", [{}, PIRL, BRANCH, LATENT, RESIDUAL, FROZEN],
+                         ids=["reinflow", "flow_sde_hybrid_grpo", "branch", "latent", "residual", "frozen_obs_encoder"])
+def test_two_iterations_fine_tune_in_a_real_pickcube_env(tmp_path, monkeypatch, request, options):
+    r = request.getfixturevalue("reinflow_run") if not options else _fine_tune(tmp_path, monkeypatch, options)
+    cfg, agent, rows, per_iter = r.cfg, r.agent, r.rows, r.per_iter
+    assert r.how == "fresh"
+    assert r.out["iterations"] == 2 and len(rows) == 2 and r.out["env_steps"] == 2 * per_iter
     assert {"policy_loss", "value_loss", "approx_kl", "clip_frac", "explained_variance", "noise_std",
             "rollout_time", "update_time", "env_steps_per_s"} <= set(rows[-1])
     assert "eval/success_once" in rows[0] and rows[-1]["episodes"] >= 1  # 20-step episodes end within an iteration
     # PickCube's failure breakdown, in training (noise on) and in the periodic evaluations
     assert {"train/is_grasped_once", "train/is_obj_placed_once", "eval/is_grasped_once"} <= set(rows[0])
-    assert eval_seeds == [cfg.val_seed]  # after iteration 1 (not after the last one)
-    assert any(not torch.equal(a, b.cpu()) for a, b in zip(before, agent.policy_parameters()))  # on a GPU, moved
-    ckpt = stage3.read_agent_checkpoint(tmp_path / "run" / "last.pt")
+    assert r.eval_seeds == [cfg.val_seed]  # after iteration 1 (not after the last one)
+    assert any(not torch.equal(a, b.cpu()) for a, b in zip(r.before, agent.policy_parameters()))  # on a GPU, moved
+    ckpt = stage3.read_agent_checkpoint(r.last)
     assert ckpt["iteration"] == 2 and ckpt["env_steps"] == 2 * per_iter
     assert bool(ckpt["actor_opt"]["state"]) is (cfg.actor_optimizer == "adam")  # plain SGD keeps no moments
-    reloaded = stage3.load_agent(tmp_path / "run" / "last.pt")
-    assert reloaded.act_horizon == agent.act_horizon == Ta  # the override travels with the checkpoint
-    for k, v in encoder.items():  # frozen: the encoder of the run and of its checkpoint is stage 1's
+    reloaded = stage3.load_agent(r.last)
+    assert reloaded.act_horizon == agent.act_horizon == r.Ta  # the override travels with the checkpoint
+    for k, v in r.encoder.items():  # frozen: the encoder of the run and of its checkpoint is stage 1's
         assert torch.equal(agent.actor.base.obs_encoder.state_dict()[k].cpu(), v.cpu())
         assert torch.equal(reloaded.actor.base.obs_encoder.state_dict()[k], v.cpu())
     window = torch.randn(3, 2, OBS_DIM)
     assert torch.equal(reloaded.act(window, generator=torch.Generator().manual_seed(0)),
                        agent.cpu().act(window, generator=torch.Generator().manual_seed(0)))  # trained on the GPU if any
     with pytest.raises(ValueError, match="not a stage-3 checkpoint"):
-        stage3.read_agent_checkpoint(path)
-    # the gradient-SNR benchmark on this checkpoint, 2 rollouts x 2 envs = 4 independent units, over what PPO moves
-    if frozen or not options:
-        monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "outputs"))
-        spec = importlib.util.spec_from_file_location("gradient_snr", REPO / "benchmarks" / "gradient_snr.py")
-        snr = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(snr)
-        snr.main([str(tmp_path / "run" / "last.pt"), "--rollouts", "2", "--num-envs", "2", "--decisions", "3"])
-        result = json.loads((tmp_path / "outputs" / "benchmarks" / "gradient_snr" / "default.json").read_text())
-        assert "velocity.obs_encoder" not in result and result["units"] == 4  # frozen: not among its modules
-    if not options:
-        assert result["decisions"] == 12
-        modules = [k for k in result if k.startswith("velocity.")]
-        assert {"velocity.down", "velocity.final"} <= set(modules)
-        # the velocity net's Gram matrix is the sum of its modules': so are its signal and noise
-        for key in ("signal", "noise"):
-            assert result["velocity"][key] == pytest.approx(sum(result[m][key] for m in modules), rel=1e-6, abs=1e-9)
-        # the branch-calibration benchmark: 2 branch points x 2 envs, each pair scored by the critic and by
-        # Monte-Carlo rollouts to the episode's end (a branch point after 0 or 1 decisions: every env is live)
-        spec = importlib.util.spec_from_file_location("branch_calibration", REPO / "benchmarks" / "branch_calibration.py")
-        cal = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(cal)
-        out = cal.main([str(tmp_path / "run" / "last.pt"), "--batches", "2", "--num-envs", "2", "--max-skip", "1"])
-        assert out["pairs"] == 4 and out["std_dq"] > 0
-        assert (tmp_path / "outputs" / "benchmarks" / "branch_calibration" / "default.json").exists()
-        # the PPO-step timing benchmark: 8 rows, whole and in slices of 3
-        spec = importlib.util.spec_from_file_location("ppo_update_speed", REPO / "benchmarks" / "ppo_update_speed.py")
-        speed = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(speed)
-        rows = speed.main([str(tmp_path / "run" / "last.pt"), "--rows", "8", "--micro", "0", "3", "--repeats", "1"])
-        assert [r["micro_batch_size"] for r in rows] == [0, 3] and all(r["s_per_step"] > 0 for r in rows)
-        # the policy-throughput benchmark: one row per (K, batch); env steps served = batch x Ta per chain
-        spec = importlib.util.spec_from_file_location("policy_throughput", REPO / "benchmarks" / "policy_throughput.py")
-        thr = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(thr)
-        rows = thr.main(["--checkpoint", str(path), "--batch", "2", "4", "--K", "2", "4", "--repeats", "1"])
-        assert [(r["K"], r["batch"]) for r in rows] == [(2, 2), (2, 4), (4, 2), (4, 4)]
-        for r in rows:
-            assert r["policy_env_steps_per_s"] == pytest.approx(r["batch"] * Ta * 1e3 / r["sample_ms"])
-            assert r["rescore_ms"] > 0 and r["peak_memory_mb"] > 0
-        assert (tmp_path / "outputs" / "benchmarks" / "policy_throughput" / "default.json").exists()
-        # evaluate --noisy: the stage-1 policy stays deterministic, the stage-3 one runs its noisy chain
-        assert evaluate.main([str(path), str(tmp_path / "run" / "last.pt"), "--noisy", "--episodes", "2",
-                              "--num-envs", "2", "--max-episode-steps", "10", "--run-name", "noisy"]) == 0
-        rows = list(csv.DictReader(open(tmp_path / "outputs" / "evaluate" / "noisy" / "results.csv")))
-        assert [r["policy"] for r in rows] == [f"{path.parent.name}/{path.name}", "run/last.pt@noisy"]
+        stage3.read_agent_checkpoint(r.stage1)
+    if options is FROZEN:  # the gradient-SNR benchmark leaves the frozen encoder out of its modules
+        result = gradient_snr(r.last, tmp_path, monkeypatch)
+        assert "velocity.obs_encoder" not in result and result["units"] == 4
 
 
+@pytest.mark.sim
+def test_the_gradient_snr_benchmark_sums_the_velocity_nets_modules(reinflow_run, tmp_path, monkeypatch):
+    result = gradient_snr(reinflow_run.last, tmp_path, monkeypatch)
+    assert result["units"] == 4 and result["decisions"] == 12
+    modules = [k for k in result if k.startswith("velocity.")]
+    assert {"velocity.down", "velocity.final"} <= set(modules)
+    # the velocity net's Gram matrix is the sum of its modules': so are its signal and noise
+    for key in ("signal", "noise"):
+        assert result["velocity"][key] == pytest.approx(sum(result[m][key] for m in modules), rel=1e-6, abs=1e-9)
+
+
+@pytest.mark.sim
+def test_the_branch_calibration_benchmark_scores_each_pair_by_critic_and_rollouts(reinflow_run, tmp_path, monkeypatch):
+    """2 branch points x 2 envs, each pair scored by the critic and by Monte-Carlo rollouts to the episode's end (a
+    branch point after 0 or 1 decisions: every env is live)."""
+    monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "outputs"))
+    out = load_benchmark("branch_calibration").main([str(reinflow_run.last), "--batches", "2", "--num-envs", "2",
+                                                     "--max-skip", "1"])
+    assert out["pairs"] == 4 and out["std_dq"] > 0
+    assert (tmp_path / "outputs" / "benchmarks" / "branch_calibration" / "default.json").exists()
+
+
+@pytest.mark.sim
+def test_the_ppo_step_benchmark_times_the_whole_batch_and_its_slices(reinflow_run, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "outputs"))
+    rows = load_benchmark("ppo_update_speed").main([str(reinflow_run.last), "--rows", "8", "--micro", "0", "3",
+                                                    "--repeats", "1"])
+    assert [r["micro_batch_size"] for r in rows] == [0, 3] and [r["rows"] for r in rows] == [8, 8]
+    assert all(r["ms_per_row"] == pytest.approx(1e3 * r["s_per_step"] / 8) for r in rows)
+
+
+def test_the_policy_throughput_benchmark_has_a_row_per_k_and_batch(tmp_path, monkeypatch):
+    """Env steps served = batch x Ta per chain."""
+    monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "outputs"))
+    path = tmp_path / "stage1.pt"
+    bc.save_checkpoint(path, tiny_policy()[0], None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
+    rows = load_benchmark("policy_throughput").main(["--checkpoint", str(path), "--batch", "2", "4",
+                                                     "--K", "2", "4", "--repeats", "1"])
+    assert [(r["K"], r["batch"]) for r in rows] == [(2, 2), (2, 4), (4, 2), (4, 4)]
+    for r in rows:
+        assert r["policy_env_steps_per_s"] == pytest.approx(r["batch"] * 8 * 1e3 / r["sample_ms"])  # Ta = 8
+        assert r["peak_memory_mb"] > 0
+    assert (tmp_path / "outputs" / "benchmarks" / "policy_throughput" / "default.json").exists()
+
+
+@pytest.mark.sim
+def test_evaluate_noisy_runs_the_stage3_chain_and_leaves_stage1_deterministic(reinflow_run, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "outputs"))
+    assert evaluate.main([str(reinflow_run.stage1), str(reinflow_run.last), "--noisy", "--episodes", "2",
+                          "--num-envs", "2", "--max-episode-steps", "10", "--run-name", "noisy"]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "outputs" / "evaluate" / "noisy" / "results.csv")))
+    assert [r["policy"] for r in rows] == [f"{reinflow_run.stage1.parent.name}/stage1.pt", "run/last.pt@noisy"]
+
+
+@pytest.mark.sim
 def test_the_sim_step_profile_splits_a_real_pickcube_step_into_parts_that_add_up(tmp_path, monkeypatch):
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "outputs"))
     spec = importlib.util.spec_from_file_location("sim_step_profile", REPO / "benchmarks" / "sim_step_profile.py")

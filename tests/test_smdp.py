@@ -11,6 +11,7 @@ from flowlib.envs import make_env
 OBS_DIM, ACT_DIM = tasks.PICKCUBE_OBS_DIM, 4  # PickCube-v1, state obs, pd_ee_delta_pos
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("num_envs", [1, 2])
 def test_an_episode_ending_inside_a_chunk_is_handled_with_one_env_and_with_several(num_envs):
     """One env runs in-process (gymnasium's SyncVectorEnv refuses to step an ended env by default):
@@ -30,6 +31,7 @@ def test_an_episode_ending_inside_a_chunk_is_handled_with_one_env_and_with_sever
         assert not third["end"].any()
 
 
+@pytest.mark.sim
 def test_branches_start_from_one_state_and_the_episode_goes_on_with_the_last():
     """Three chunks tried from one state (the first two alike); the 12-step time limit falls inside each.
     Alike branches give alike results, the episode's bookkeeping follows only the last branch, and that
@@ -56,6 +58,7 @@ def test_branches_start_from_one_state_and_the_episode_goes_on_with_the_last():
     assert torch.allclose(window, plain.window, atol=1e-4)  # reset envs: the next seeds' first windows
 
 
+@pytest.mark.sim
 def test_reward_scale_scales_what_learning_sees_and_not_the_logged_return():
     with make_env("PickCube-v1", 1, max_episode_steps=8) as env:
         out = []
@@ -70,6 +73,7 @@ def test_reward_scale_scales_what_learning_sees_and_not_the_logged_return():
         stage3.Stage3Config(reward_scale=0.0)
 
 
+@pytest.mark.sim
 def test_shaped_reward_telescopes_to_the_potential_reached():
     """Reward "shaped" adds gamma phi(s') - phi(s) per step with phi_0 = 0: over an 8-step chunk without
     success the discounted sum is gamma^8 phi(s_8), phi = the dense reward of the last step; the logged

@@ -48,6 +48,7 @@ def test_a_bad_parameter_file_stops_the_plan_before_anything_runs(tmp_path):
         sweep.plan("03_reinflow", tmp_path / "empty", [0])
 
 
+@pytest.mark.slow
 def test_a_failing_job_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "out"))
     params = tmp_path / "params"

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import ray  # the ray extra, which make install installs: pip install -e '.[ray]'
 
 from flowlib import sweep
@@ -20,6 +21,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_a_two_job_sweep_runs_through_a_local_ray_head_and_records_the_failure(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "out"))
     params = tmp_path / "tiny"

@@ -33,6 +33,7 @@ def demos(tmp_path_factory):
     mp.undo()
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("env_id", list(NEW_TASKS))
 def test_demos_generate_and_replay_in_the_tasks_control_mode(env_id, demos):
     obs_dim, action_dim = NEW_TASKS[env_id]
@@ -55,6 +56,7 @@ def test_demos_generate_and_replay_in_the_tasks_control_mode(env_id, demos):
     assert np.allclose(torch.stack(obs).numpy()[:, poses], ep.obs[:41, poses], atol=1e-3)
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("env_id", list(NEW_TASKS))
 def test_a_reset_after_a_demo_gives_the_observation_of_a_fresh_env(env_id, demos):
     """What PickCube's stale grasp flag needed a fix for (flowlib.tasks' ``stale_at_reset``): here, after an episode
@@ -71,6 +73,7 @@ def test_a_reset_after_a_demo_gives_the_observation_of_a_fresh_env(env_id, demos
     assert torch.allclose(after, fresh, atol=1e-6), (after - fresh).abs().argmax()
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("env_id", list(NEW_TASKS))
 def test_stage1_then_two_iterations_of_the_target_recipe_run_on_the_task(env_id, demos, tmp_path, monkeypatch):
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(demo_path(env_id, 3).parents[2]))
@@ -108,6 +111,7 @@ SEEDS_METHODS = {  # #73's methods with the settings their params files name, at
 }
 
 
+@pytest.mark.sim
 @pytest.mark.parametrize("method", list(SEEDS_METHODS))
 def test_each_of_the_seeds_methods_runs_two_iterations_on_a_maniskill_task(method, demos, tmp_path, monkeypatch):
     """RFC, FQL (offline on the start's own demos, then online), the Gaussian baseline (cloned from them, then PPO) and
