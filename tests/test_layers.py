@@ -95,3 +95,19 @@ def test_benchmarks_and_notebooks_use_flowlib_public_names_only(folder):
                     if any(n.strip().startswith("_") for n in m.split(","))]
         private += [f"{path.name}: {n}.{a}" for n in names for a in re.findall(rf"\b{n}\.(_\w+)", text)]
     assert not private, "private flowlib names used outside flowlib:\n" + "\n".join(private)
+
+
+def test_the_package_index_lists_every_module_under_its_layer():
+    """flowlib/__init__.py's module index is where a newcomer starts: every module is in it, under the layer
+    LAYERS gives it."""
+    doc = (FLOWLIB / "__init__.py").read_text().split('"""')[1]
+    listed, layer = {}, None
+    for line in doc.splitlines():
+        if re.match(r"^[a-z][a-z ]*(:|$)", line):
+            layer = line.split(":")[0].strip()
+        elif m := re.match(r"^    (\w+)\s", line):
+            listed[m.group(1)] = layer
+    modules = {p.stem for p in FLOWLIB.glob("*.py")} - {"__init__"}
+    assert not modules - set(listed), f"add these modules to flowlib/__init__.py's index: {sorted(modules - set(listed))}"
+    wrong = {m: (listed[m], name) for name, members in LAYERS.items() for m in members if m in listed and listed[m] != name}
+    assert not wrong, f"listed under another layer than tests/test_layers.py's LAYERS (index, LAYERS): {wrong}"
