@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import bc, config
+from . import bc, chunk_policy, config
 from .config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields, require
 from .critic import RFC_MASKS, ChunkCritic, ChunkTransitions, critic_from_state
 from .data import Episode, demo_dir, load_demos, save_episodes
@@ -209,7 +209,7 @@ def _file_digest(path: Path) -> str:
     return hashlib.sha1(path.read_bytes()).hexdigest()[:10]
 
 
-def collect_rollouts(policy: bc.FlowPolicy, env, cfg: AWShortCutConfig, stage1_path: Path) -> tuple[list[Episode], list[dict]]:
+def collect_rollouts(policy: chunk_policy.FlowPolicy, env, cfg: AWShortCutConfig, stage1_path: Path) -> tuple[list[Episode], list[dict]]:
     """Rollouts of ``policy`` (stage 1's, or the ``rollout_checkpoint``'s, read from ``stage1_path``) at each
     exploration-noise level, cached per (checkpoint, settings).
 
@@ -240,8 +240,8 @@ def collect_rollouts(policy: bc.FlowPolicy, env, cfg: AWShortCutConfig, stage1_p
 
 
 def train_weighted(cfg: AWShortCutConfig, dataset, folder: Path, env, stage1_path: Path, weights: torch.Tensor,
-                   extra: dict[str, Any], checkpoint_format: str = bc.AW_CHECKPOINT_FORMAT,
-                   name: str = "") -> tuple[dict[int, bc.FlowPolicy], dict[int, list[dict]]]:
+                   extra: dict[str, Any], checkpoint_format: str = chunk_policy.AW_CHECKPOINT_FORMAT,
+                   name: str = "") -> tuple[dict[int, chunk_policy.FlowPolicy], dict[int, list[dict]]]:
     """The weighted ShortCut loss (``bc.train`` with ``weights``: AW-ShortCut's ``exp(beta A)`` or an RFC mask's)
     from the stage-1 checkpoint, once per training seed, under ``folder/seed_<s>/`` (each resumes from its
     ``last.pt``).  Training goes on from the checkpoint's EMA weights (``start_net="ema"``), the policy stage 1 scored,
@@ -253,7 +253,7 @@ def train_weighted(cfg: AWShortCutConfig, dataset, folder: Path, env, stage1_pat
         seed_path = folder / f"seed_{s}"
         tracker = Tracker(seed_path, config.to_dict(seed_cfg), wandb_mode=cfg.wandb_mode, project="flowlib-02",
                           name="-".join(filter(None, [cfg.run_name, name, f"seed{s}"])), resume=cfg.resume)
-        start = bc.load_policy(stage1_path)
+        start = chunk_policy.load_policy(stage1_path)
         if cfg.start_net == "ema":
             start.flow.adopt_ema()
         policies[s], _ = bc.train(seed_cfg, dataset, seed_path, tracker, env=env, policy=start,
@@ -278,13 +278,13 @@ def values(critic: ChunkCritic, obs: torch.Tensor, batch_size: int = 4096) -> to
     return torch.cat([critic.value(obs[i:i + batch_size]) for i in range(0, len(obs), batch_size)])
 
 
-def load_from_aw_shortcut_flow(path: str | Path, spec=None) -> tuple[bc.FlowPolicy, ChunkCritic | None]:
+def load_from_aw_shortcut_flow(path: str | Path, spec=None) -> tuple[chunk_policy.FlowPolicy, ChunkCritic | None]:
     """Stage-2 policy and its critic (``None`` for a stage-1 checkpoint), e.g. to start stage 3.
 
     With an env ``spec`` the policy is checked against it (env id, dims, control mode).
     """
-    ckpt = bc.read_checkpoint(path)
-    policy = bc.load_policy(path, spec)
+    ckpt = chunk_policy.read_checkpoint(path)
+    policy = chunk_policy.load_policy(path, spec)
     critic = critic_from_state(ckpt["critic"]) if "critic" in ckpt else None
     return policy, critic
 

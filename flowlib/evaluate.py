@@ -37,7 +37,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from . import bc, loop, progress, stage3, visual
+from . import bc, chunk_policy, loop, progress, stage3, visual
 from .envs import make_env, resolve_backend
 from .metrics import paired_means, success_rates
 from .runs import load_torch, run_dir, save_json, save_text
@@ -51,13 +51,13 @@ def load_checkpoint_policy(path: str | Path, noisy: bool = False):
     if fmt == loop.CHECKPOINT_FORMAT:
         agent = stage3.load_for_rollouts(path)[2] if noisy else stage3.load_agent(path)
         return agent, agent.meta
-    policy = bc.load_policy(path)  # raises a clear error for anything that is not a flow policy
+    policy = chunk_policy.load_policy(path)  # raises a clear error for anything that is not a flow policy
     return policy, policy.meta
 
 
 def set_act_horizon(policy, act_horizon: int) -> None:
     """Execute ``act_horizon`` actions of each predicted chunk (``chunk[To-1 : To-1+act_horizon]``)."""
-    policy.act_horizon = bc.check_act_horizon(act_horizon, policy.obs_horizon, policy.pred_horizon)
+    policy.act_horizon = chunk_policy.check_act_horizon(act_horizon, policy.obs_horizon, policy.pred_horizon)
 
 
 def labels(paths: list[str | Path]) -> dict[Path, str]:
@@ -89,7 +89,7 @@ def set_steps(policy, steps: int | None, inference_steps: int) -> int:
         return inference_steps
     if hasattr(policy, "set_inference_steps"):
         policy.set_inference_steps(steps)
-    elif not isinstance(policy, bc.FlowPolicy):
+    elif not isinstance(policy, chunk_policy.FlowPolicy):
         raise ValueError(f"--steps applies to flow policies and chain ReinFlow agents; a {type(policy).__name__} "
                          "has no number of denoising steps to set: evaluate it without --steps")
     return steps
@@ -114,7 +114,7 @@ def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, 
     for policy, _ in loaded.values():  # fail before the env starts
         for ah in horizons:
             if ah is not None:
-                bc.check_act_horizon(ah, policy.obs_horizon, policy.pred_horizon)
+                chunk_policy.check_act_horizon(ah, policy.obs_horizon, policy.pred_horizon)
         for K in step_counts:
             set_steps(policy, K, inference_steps)
     env_ids = {meta["env_id"] for _, meta in loaded.values()}
@@ -132,7 +132,7 @@ def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, 
     with make_env(env_ids.pop(), num_envs, control_mode=modes.pop(), backend=backend,
                   max_episode_steps=max_episode_steps, fresh_scene=fresh_scene, **json.loads(views.pop())) as env:
         for path, (policy, meta) in progress.bar(iterable=loaded.items(), total=len(loaded), desc="checkpoints"):
-            bc.check_compatible(meta, env.spec)
+            chunk_policy.check_compatible(meta, env.spec)
             explores = noisy and hasattr(policy, "explore")  # a stage-3 agent: its training-time draws
             for ah in horizons:
                 if ah is not None:

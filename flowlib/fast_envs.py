@@ -43,7 +43,7 @@ MAX_STEP = 0.05  # the agent's largest move per step (box units)
 
 @dataclass
 class EnvSpec:
-    """What a policy must fit in an env (``flowlib.bc.check_compatible``): every env's, ManiSkill's and these."""
+    """What a policy must fit in an env (``flowlib.chunk_policy.check_compatible``): every env's, ManiSkill's and these."""
 
     env_id: str
     obs_dim: int

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from . import bc, progress
+from . import bc, chunk_policy, progress
 from .buffers import ReplayBuffer
 from .config import NonNegativeInt, PositiveFloat, PositiveInt
 from .data import ChunkDataset
@@ -52,7 +52,7 @@ class FQLConfig:
     fql_hidden_dims: list[PositiveInt] = dataclasses.field(default_factory=lambda: [256, 256, 256])  # mu_omega's MLP
 
 
-class FQLAgent(bc.ChunkPolicy):
+class FQLAgent(chunk_policy.ChunkPolicy):
     """The frozen flow (``policy``, a stage-1 ``FlowPolicy``), the one-step policy ``mu_omega``, the twin ``Q`` and
     its Polyak target (module docstring)."""
 
@@ -63,7 +63,7 @@ class FQLAgent(bc.ChunkPolicy):
         self.flow_policy = policy.eval().requires_grad_(False)
         self.meta, self.obs_normalizer, self.action_normalizer = meta, policy.obs_normalizer, policy.action_normalizer
         self.obs_horizon, self.pred_horizon = meta["obs_horizon"], meta["pred_horizon"]
-        self.act_horizon = bc.check_act_horizon(act_horizon or meta["act_horizon"], self.obs_horizon, self.pred_horizon)
+        self.act_horizon = chunk_policy.check_act_horizon(act_horizon or meta["act_horizon"], self.obs_horizon, self.pred_horizon)
         self.action_dim, self.obs_dim = meta["action_dim"], meta["obs_dim"]
         self.K, self.obs_clip = num_inference_steps, float(obs_clip)
         policy.flow.jump(1.0 / num_inference_steps)  # rejects K beyond what the ShortCut net was trained for

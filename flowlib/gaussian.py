@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from . import bc, progress
+from . import bc, chunk_policy, progress
 from .config import NonNegativeInt, PositiveInt
 from .data import ChunkDataset
 from .envs import is_fast
@@ -44,7 +44,7 @@ class GaussianConfig:
     gaussian_bc_batch: PositiveInt = 512  # demo windows per BC step
 
 
-class GaussianChunkAgent(bc.ChunkPolicy):
+class GaussianChunkAgent(chunk_policy.ChunkPolicy):
     """``N(mu_phi(o), sigma^2)`` over the normalised chunk, with a value net (module docstring).  ``policy`` is the
     stage-1/2 flow policy whose normalisers, horizons and dims it takes (not its weights)."""
 
@@ -61,7 +61,7 @@ class GaussianChunkAgent(bc.ChunkPolicy):
         meta = policy.meta
         self.meta, self.obs_normalizer, self.action_normalizer = meta, policy.obs_normalizer, policy.action_normalizer
         self.obs_horizon, self.pred_horizon = meta["obs_horizon"], meta["pred_horizon"]
-        self.act_horizon = bc.check_act_horizon(act_horizon or meta["act_horizon"], self.obs_horizon, self.pred_horizon)
+        self.act_horizon = chunk_policy.check_act_horizon(act_horizon or meta["act_horizon"], self.obs_horizon, self.pred_horizon)
         self.action_dim, self.obs_dim = meta["action_dim"], meta["obs_dim"]
         self.log_prob_reduce, self.obs_clip = log_prob_reduce, float(obs_clip)
         obs_in, D = self.obs_horizon * self.obs_dim, self.pred_horizon * self.action_dim
@@ -181,7 +181,7 @@ def gaussian_bc(agent: GaussianChunkAgent, cfg, start: Path) -> None:
 @functools.lru_cache(maxsize=4)
 def _cloned_state(start: str, mtime: float, steps: int, batch: int, hidden: tuple, seed: int, obs_clip: float) -> dict:
     episodes = bc.training_demos(start)
-    policy = bc.load_policy(start)
+    policy = chunk_policy.load_policy(start)
     dataset = ChunkDataset(episodes, policy.obs_horizon, policy.pred_horizon,
                            gripper=not is_fast(policy.meta["env_id"]))
     obs, actions = dataset.tensors(policy.obs_normalizer, policy.action_normalizer)  # [N, To, O], [N, H, A]

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import bc, progress
+from . import bc, chunk_policy, progress
 from .config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from .runs import load_torch, rng_state, save_torch, set_rng_state
 from .schedules import LR_SCHEDULES, NOISE_SCHEDULES, lr_factor, noise_schedule  # noqa: F401  (loop.lr_factor, loop.noise_schedule)
@@ -150,7 +150,7 @@ def read_agent_checkpoint(path: str | Path) -> dict:
         kind = f" (it is a {ckpt['format']} file)" if isinstance(ckpt, dict) and "format" in ckpt else ""
         raise ValueError(f"{path} is not a stage-3 checkpoint (format {CHECKPOINT_FORMAT}){kind}: pass a last.pt or "
                          f"best_model.pt of notebook 03 / 06")
-    return {**ckpt, "meta": bc.complete_meta(ckpt["meta"])}
+    return {**ckpt, "meta": chunk_policy.complete_meta(ckpt["meta"])}
 
 
 # --------------------------------------------------------------------------- the pieces of an iteration

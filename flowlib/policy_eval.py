@@ -1,6 +1,6 @@
 """Scoring a chunk policy on held-out episodes: ``evaluate``, the rollouts every stage reports (``bc.evaluate``).
 
-Any ``bc.ChunkPolicy`` runs here: stage 1's ``FlowPolicy``, a stage-2 policy, a stage-3 agent (a per-step residual
+Any ``chunk_policy.ChunkPolicy`` runs here: stage 1's ``FlowPolicy``, a stage-2 policy, a stage-3 agent (a per-step residual
 closes the loop through ``correct_step``).  Each episode's env seed and policy noise are its own, so its result does
 not depend on how the episodes are batched.
 """

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import bc
+from . import chunk_policy
 from .asymmetric import CriticStateNorm
 from .flow_sde import (LEARNED_NOISE, check_method, clamp_mean, full_mask, gaussian_entropy, gaussian_log_prob, hybrid_mask,
                        sample_chain, stochastic_steps, transition)
@@ -113,7 +113,7 @@ class NoisyVelocityUNet1D(nn.Module):
 # --------------------------------------------------------------------------- agent
 
 
-class ReinFlowAgent(CriticStateNorm, bc.ChunkPolicy):
+class ReinFlowAgent(CriticStateNorm, chunk_policy.ChunkPolicy):
     """Flow policy (a stage-1/2 ``FlowPolicy``) + noise + value net: the agent of stage 3 for every noise method.
 
     ``noise_method`` (``flowlib.flow_sde``): ``reinflow`` (learned noise std, ReinFlow Eq. 4),
@@ -183,7 +183,7 @@ class ReinFlowAgent(CriticStateNorm, bc.ChunkPolicy):
         self.meta, self.K = meta, num_inference_steps
         self.obs_normalizer, self.action_normalizer = policy.obs_normalizer, policy.action_normalizer
         self.obs_horizon, self.pred_horizon = meta["obs_horizon"], meta["pred_horizon"]
-        self.act_horizon = bc.check_act_horizon(act_horizon or meta["act_horizon"], self.obs_horizon, self.pred_horizon)
+        self.act_horizon = chunk_policy.check_act_horizon(act_horizon or meta["act_horizon"], self.obs_horizon, self.pred_horizon)
         self.action_dim, self.obs_dim = meta["action_dim"], meta["obs_dim"]
         visual = meta.get("obs_mode", "state") != "state"
         obs_in = meta["obs_emb_dim"] if visual else self.obs_horizon * self.obs_dim  # NoisyVelocityUNet1D.obs_input
@@ -201,7 +201,7 @@ class ReinFlowAgent(CriticStateNorm, bc.ChunkPolicy):
             raise ValueError(f"asymmetric_critic gives V the simulator's state in place of the observation: "
                              f"critic_input must be 'obs', got {critic_input!r}")
         self._init_critic_state(privileged_dim)
-        value_in = privileged_dim or (obs_in if critic_input == "obs" else bc.features_dim(meta))
+        value_in = privileged_dim or (obs_in if critic_input == "obs" else chunk_policy.features_dim(meta))
         self.value_net = mlp([value_in, *value_hidden_dims, 1], act=nn.Mish)
         self.include_initial_noise = include_initial_noise or noise_method == "flow_noise"
         self.log_prob_over = log_prob_over

@@ -162,7 +162,7 @@ def ensure_checkpoint(path: Path) -> Path:
 def start_checkpoint_problem(path: Path, key: str, env_id: str) -> str:
     """Why the flow-policy checkpoint ``path`` (parameter ``key``) cannot start a run on ``env_id`` ("" if it can):
     not a torch file, not a stage-1/2 policy, or a policy of another task."""
-    from .bc import checkpoint_meta
+    from .chunk_policy import checkpoint_meta
 
     try:
         meta = checkpoint_meta(path)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ClassVar
 
-from . import bc, config, loop
+from . import chunk_policy, config, loop
 from .asymmetric import AsymmetricConfig, asymmetric_problem
 from .awsc import load_from_aw_shortcut_flow
 from .config import check_fields, require
@@ -190,7 +190,7 @@ def start_problem(cfg: Stage3Config) -> str:
         path = init_checkpoint_path(cfg)
     except FileNotFoundError:
         return ""
-    meta = bc.checkpoint_meta(path)
+    meta = chunk_policy.checkpoint_meta(path)
     if visual_problem(cfg, meta, path):
         return visual_problem(cfg, meta, path)
     if asymmetric_problem(cfg, meta):
@@ -268,7 +268,7 @@ def checkpoint_config(ckpt: dict, overrides: dict | None = None) -> Stage3Config
 def _agent_from(ckpt: dict, cfg: Stage3Config):
     """The agent a read stage-3 checkpoint holds, rebuilt for ``cfg``, in eval mode."""
     state = ckpt["agent"].get("critic_obs_mean")  # an asymmetric critic's normaliser: [P]
-    agent = make_agent(bc.build_policy(ckpt["meta"]), cfg, 0 if state is None else len(state))
+    agent = make_agent(chunk_policy.build_policy(ckpt["meta"]), cfg, 0 if state is None else len(state))
     agent.load_state_dict(ckpt["agent"])
     return agent.eval()
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import bc
+from . import chunk_policy
 from .flow_sde import gaussian_entropy, gaussian_log_prob
 from .flows import time_grid
 from .nets import mlp
@@ -53,7 +53,7 @@ class FrozenFlow(nn.Module):
         self.meta, self.K, self.obs_clip = meta, num_inference_steps, float(obs_clip)
         self.obs_normalizer, self.action_normalizer = policy.obs_normalizer, policy.action_normalizer
         self.obs_horizon, self.pred_horizon = meta["obs_horizon"], meta["pred_horizon"]
-        self.act_horizon = bc.check_act_horizon(act_horizon or meta["act_horizon"], self.obs_horizon, self.pred_horizon)
+        self.act_horizon = chunk_policy.check_act_horizon(act_horizon or meta["act_horizon"], self.obs_horizon, self.pred_horizon)
         self.action_dim, self.obs_dim = meta["action_dim"], meta["obs_dim"]
         self.d = flow.jump(1.0 / num_inference_steps)  # rejects K beyond what the ShortCut net was trained for
         self.net = flow.net.requires_grad_(False)
@@ -160,7 +160,7 @@ FLOW_RENAMES = (("actor.base.", "flow.net."), ("obs_normalizer.", "flow.obs_norm
 CHAIN_DROPPED = ("actor.noise_net.", "noise_level")
 
 
-class FlowSteer(bc.ChunkPolicy):
+class FlowSteer(chunk_policy.ChunkPolicy):
     """A policy built on a ``FrozenFlow`` (``self.flow``): its shape read through, and its state dicts of before the
     steers were composed still read (``LEGACY_RENAMES`` / ``LEGACY_DROPPED`` beyond every steer's)."""
 

@@ -15,7 +15,7 @@ LAYERS = {
     "core": {"grad_signal", "config", "runs", "progress", "guards", "metrics", "schedules", "nets", "flows", "unet", "flow_sde",
              "toy2d", "tracking", "sysdeps"},
     "world": {"tasks", "fast_envs", "vector", "metaworld_envs", "visual", "envs", "data", "visual_demos", "smdp"},
-    "policy": {"encoders", "policy_eval", "bc", "critic", "awsc"},
+    "policy": {"encoders", "chunk_policy", "policy_eval", "bc", "critic", "awsc"},
     "rl core": {"ppo", "buffers", "loop", "learners", "asymmetric"},
     "methods": {"reinflow_agent", "reinflow", "steering", "latent", "latent_sac", "residual", "residual_step", "residual_td3",
                 "gaussian", "rfc", "fql"},
