@@ -536,9 +536,9 @@ def test_the_sim_step_profile_splits_a_real_pickcube_step_into_parts_that_add_up
     spec.loader.exec_module(bench)
     rows = {r["part"]: r for r in bench.main(["--steps", "6", "--repeats", "3"])}
     assert list(rows) == [*bench.PARTS, "other", "step"]
-    # one call of each part per env step, PhysX's 5 substeps (100 Hz sim, 20 Hz control): the resets' own calls
+    # each part is reached, once per env step, PhysX's 5 substeps (100 Hz sim, 20 Hz control): the resets' own calls
     # to these parts are not counted
-    assert {p: rows[p]["calls_per_step"] for p in bench.PARTS} == {**dict.fromkeys(bench.PARTS, 1), "physics": 5}  # each part reached
+    assert {p: rows[p]["calls_per_step"] for p in bench.PARTS} == {**dict.fromkeys(bench.PARTS, 1), "physics": 5}
     assert rows["other"]["ms_per_step"] >= 0
     assert sum(rows[p]["ms_per_step"] for p in (*bench.PARTS, "other")) == pytest.approx(rows["step"]["ms_per_step"],
                                                                                           abs=0.01)
