@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -40,7 +41,7 @@ import torch
 from . import bc, chunk_policy, loop, progress, stage3, visual
 from .envs import make_env, resolve_backend
 from .metrics import paired_means, success_rates
-from .runs import load_torch, run_dir, save_json, save_text
+from .runs import load_torch, provenance, run_dir, save_json, save_text, shown
 
 
 def load_checkpoint_policy(path: str | Path, noisy: bool = False):
@@ -146,7 +147,9 @@ def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, 
     return results
 
 
-def write_report(run_path: Path, results: dict[str, dict], seed: int) -> list[dict]:
+def write_report(run_path: Path, results: dict[str, dict], seed: int, source: dict | None = None) -> list[dict]:
+    """The files of an evaluation (module docstring); ``source``, where it came from (``runs.provenance`` and the
+    checkpoints it scored), goes into ``summary.json`` for ``flowlib.results publish``."""
     rows = success_rates({name: r["per_episode_success_once"] for name, r in results.items()})
     returns = paired_means({name: r["per_episode_return"] for name, r in results.items()})
     for row, ret in zip(rows, returns):
@@ -164,7 +167,7 @@ def write_report(run_path: Path, results: dict[str, dict], seed: int) -> list[di
     save_text(run_path / "per_episode_flags.csv", flags.to_csv(index=False))
     save_text(run_path / "per_episode.csv", per_episode.to_csv(index=False))
     save_text(run_path / "per_episode_return.csv", per_episode_return.to_csv(index=False))
-    save_json(run_path / "summary.json", {"seed": seed, "rows": rows})
+    save_json(run_path / "summary.json", {"seed": seed, **(source or {}), "rows": rows})
     return rows
 
 
@@ -202,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     run_path = run_dir("evaluate", args.run_name)
-    rows = write_report(run_path, results, args.seed)
+    command = "python -m flowlib.evaluate " + shlex.join(sys.argv[1:] if argv is None else argv)
+    source = {**provenance(command), "checkpoints": [shown(Path(p)) for p in args.checkpoints]}
+    rows = write_report(run_path, results, args.seed, source)
     flags = [k for k in rows[0] if k.endswith("_once")]
     print(f"{'policy':<40} {'success':>14} {'vs first (paired)':>20}" + "".join(f" {k:>20}" for k in flags))
     for r in rows:

@@ -9,7 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import platform
+import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,35 @@ def run_dir(notebook: str, run_name: str) -> Path:
     path = outputs_root() / notebook / run_name
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def git_commit() -> str:
+    """The repository's commit, ``+dirty`` when a tracked file differs from it; ``""`` outside a git checkout."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, timeout=10)
+    try:
+        head = git("rev-parse", "HEAD")
+        if head.returncode:
+            return ""
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def machine() -> str:
+    """What ran it, in words: the GPU if torch sees one, else the CPU, with the core count."""
+    import torch  # torch is heavy: only where a machine is asked for
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} (CUDA), {os.cpu_count()} CPU cores"
+    return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores, no GPU"
+
+
+def provenance(command: str) -> dict[str, str]:
+    """Where a result came from: its ``command``, the commit and machine it ran on, and when (UTC)."""
+    return {"command": command, "commit": git_commit(), "machine": machine(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
 def shown(path: Path) -> str:

@@ -20,7 +20,7 @@ LAYERS = {
     "methods": {"reinflow_agent", "reinflow", "steering", "latent", "latent_sac", "residual", "residual_step", "residual_td3",
                 "gaussian", "rfc", "fql"},
     "registry": {"stage3"},
-    "tools": {"bench", "export", "evaluate", "pirl", "seeds", "sweep", "run", "__init__"},
+    "tools": {"bench", "export", "evaluate", "pirl", "seeds", "sweep", "run", "results", "__init__"},
 }
 RANK = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 NAMES = list(LAYERS)

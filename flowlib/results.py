@@ -1,0 +1,176 @@
+"""Results as data: the files behind a published number, committed under ``results/<record>/``.
+
+    python -m flowlib.results publish outputs/evaluate/metaworld_pick_place_cosine --as metaworld/pick_place_cosine
+    python -m flowlib.results check
+
+``outputs/`` is git-ignored; ``results/`` is not.  A record is one evaluation (``flowlib.evaluate``'s folder) and
+the runs it scored, copied so that a reader can re-derive every number a results page quotes from it:
+
+* ``results.csv``, ``per_episode.csv``, ``per_episode_return.csv`` (and ``per_episode_flags.csv``), ``summary.json``:
+  the evaluation as it was written;
+* ``params/<run>.yaml``: the resolved parameters of each run whose checkpoint was scored (``<run>`` is the row's
+  label, ``/`` read as ``__``);
+* ``record.json``: the command that made the evaluation, the commit and the machine it ran on (recorded by
+  ``flowlib.evaluate`` since 2026-12-06; for an older folder the command is rebuilt from its files and the commit
+  is marked as not recorded), the checkpoints, and when the record was published.
+
+Checkpoints and metrics streams stay out: the whole folder keeps within ``BUDGET_BYTES`` (``check``).  ``check``
+also re-derives every record's success rates and paired differences from its per-episode file, so a
+``results.csv`` cannot drift from the episodes it summarises.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from .evaluate import labels
+from .metrics import success_rates
+from .runs import REPO_ROOT, git_commit, outputs_root, save_json, shown
+
+RESULTS_ROOT = REPO_ROOT / "results"
+BUDGET_BYTES = 5 * 2**20  # the whole results/ folder: per-episode files are a few KB each
+EVALUATION_FILES = ("results.csv", "per_episode.csv", "summary.json")  # what makes a folder an evaluation
+OPTIONAL_FILES = ("per_episode_return.csv", "per_episode_flags.csv")
+
+
+def run_folder(checkpoint: Path) -> Path | None:
+    """The run folder that holds ``checkpoint``'s ``params.yaml``: its folder or the nearest one above it (a stage-2
+    training seed's ``seed_0/last.pt`` belongs to the notebook's run)."""
+    for folder in [checkpoint.parent, *checkpoint.parent.parents]:
+        if (folder / "params.yaml").is_file():
+            return folder
+        if folder == outputs_root() or folder == folder.parent:
+            return None
+    return None
+
+
+def base_label(policy: str) -> str:
+    """A results row's checkpoint label without its ``@K4`` / ``@ah4`` / ``@noisy`` suffixes."""
+    return policy.split("@")[0]
+
+
+def _check_checkpoints(src: Path, rows: list[dict], checkpoints: list[Path]) -> None:
+    """The checkpoints must be the evaluation's: ``flowlib.evaluate.labels`` gives them its rows' labels, in order."""
+    wanted = list(dict.fromkeys(base_label(r["policy"]) for r in rows))
+    got = list(labels(checkpoints).values())
+    if got != wanted:
+        raise ValueError(f"{shown(src)} scored {wanted}, but the checkpoints given are labelled {got}: give the "
+                         "evaluation's own checkpoints, in its order")
+
+
+def publish(src: str | Path, record: str, checkpoints: list[str] | None = None, force: bool = False) -> Path:
+    """Copy the evaluation folder ``src`` and its runs' parameters into ``results/<record>/`` (module docstring).
+    ``checkpoints``: the evaluated checkpoint paths, needed only for a folder written before ``flowlib.evaluate``
+    recorded them."""
+    src = Path(src)
+    missing = [f for f in EVALUATION_FILES if not (src / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{src} is not an evaluation folder (no {', '.join(missing)}): publish the folder "
+                                "python -m flowlib.evaluate wrote, outputs/evaluate/<run-name>")
+    parts = Path(record).parts
+    if not parts or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
+        raise ValueError(f"--as must be a relative record name such as metaworld/pick_place, got {record!r}")
+    dest = RESULTS_ROOT / record
+    if dest.exists() and not force:
+        raise FileExistsError(f"{shown(dest)} exists: publish under another name, or add --force to replace it")
+    summary = json.loads((src / "summary.json").read_text())
+    rows = summary["rows"]
+    recorded = summary.get("checkpoints")
+    paths = [Path(p) for p in (checkpoints or recorded or [])]
+    if not paths:
+        raise ValueError(f"{src}/summary.json does not list its checkpoints (an evaluation from before 2026-12-06): "
+                         "give them with --checkpoints, in the evaluation's order")
+    paths = [p if p.is_absolute() or p.exists() else REPO_ROOT / p for p in paths]
+    _check_checkpoints(src, rows, paths)
+    if dest.exists():
+        shutil.rmtree(dest)
+    (dest / "params").mkdir(parents=True)
+    for name in (*EVALUATION_FILES, *OPTIONAL_FILES):
+        if (src / name).is_file():
+            shutil.copy2(src / name, dest / name)
+    runs = {}
+    for path, label in labels(paths).items():
+        folder = run_folder(Path(path))
+        if folder is None:
+            raise FileNotFoundError(f"no params.yaml in the run folder of {shown(Path(path))}: publish needs the runs "
+                                    "as flowlib.run wrote them")
+        shutil.copy2(folder / "params.yaml", dest / "params" / f"{label.replace('/', '__')}.yaml")
+        runs[label] = shown(folder)
+    if recorded:
+        source = {k: summary[k] for k in ("command", "commit", "machine", "date") if k in summary}
+    else:
+        first = rows[0]["episodes"]
+        source = {"command": "python -m flowlib.evaluate " + " ".join(shown(Path(p)) for p in paths)
+                  + f" --episodes {first} --seed {summary['seed']} --run-name {src.name}",
+                  "command_rebuilt": True, "commit": "not recorded"}
+    save_json(dest / "record.json", {"record": record, "source": shown(src), **source,
+                                     "checkpoints": [shown(Path(p)) for p in paths], "runs": runs,
+                                     "published_at": git_commit()})
+    return dest
+
+
+def rederive(record: Path) -> list[str]:
+    """Where ``record``'s ``results.csv`` differs from the rates and paired differences of its ``per_episode.csv``."""
+    per_episode = pd.read_csv(record / "per_episode.csv").drop(columns="env_seed")
+    derived = {r["policy"]: r for r in success_rates({c: per_episode[c].astype(bool).tolist() for c in per_episode})}
+    problems = []
+    for row in pd.read_csv(record / "results.csv").to_dict("records"):
+        ref = derived.get(row["policy"])
+        if ref is None:
+            problems.append(f"{shown(record)}: row {row['policy']!r} has no column in per_episode.csv")
+            continue
+        for key in ("episodes", "success", "se", "diff", "diff_se"):
+            if abs(float(row[key]) - float(ref[key])) > 1e-9:
+                problems.append(f"{shown(record)}: {row['policy']} {key} = {row[key]} in results.csv, "
+                                f"{ref[key]} from per_episode.csv")
+    return problems
+
+
+def records(root: Path = RESULTS_ROOT) -> list[Path]:
+    return sorted(p.parent for p in root.rglob("record.json"))
+
+
+def check(root: Path = RESULTS_ROOT) -> list[str]:
+    """Every problem with ``root``: over the size budget, a record whose numbers do not re-derive."""
+    size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.exists() else 0
+    problems = [] if size <= BUDGET_BYTES else [f"{shown(root)} holds {size / 2**20:.1f} MiB, over its budget of "
+                                                   f"{BUDGET_BYTES / 2**20:.0f} MiB: publish per-episode files only"]
+    for record in records(root):
+        problems += rederive(record)
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flowlib.results", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    pub = sub.add_parser("publish", help="copy an evaluation folder and its runs' params into results/<record>/")
+    pub.add_argument("folder", help="an evaluation folder, outputs/evaluate/<run-name>")
+    pub.add_argument("--as", dest="record", required=True, help="the record's name under results/, e.g. metaworld/pick_place")
+    pub.add_argument("--checkpoints", nargs="+", default=None,
+                     help="the evaluated checkpoints, in order (only for folders written before 2026-12-06)")
+    pub.add_argument("--force", action="store_true", help="replace an existing record")
+    sub.add_parser("check", help="size budget, and every record's numbers re-derived from its per-episode file")
+    args = ap.parse_args(argv)
+    if args.cmd == "publish":
+        try:
+            dest = publish(args.folder, args.record, args.checkpoints, args.force)
+        except (FileNotFoundError, FileExistsError, ValueError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(f"-> {shown(dest)}")
+        return 0
+    problems = check()
+    for p in problems:
+        print(p, file=sys.stderr)
+    print(f"{len(records())} record(s), {'ok' if not problems else f'{len(problems)} problem(s)'}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

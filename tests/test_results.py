@@ -1,0 +1,79 @@
+"""Results as data (flowlib.results): publish copies an evaluation and its runs' parameters into results/<record>/,
+refuses what is not an evaluation, and check re-derives every committed number from its per-episode file."""
+import json
+
+import pytest
+
+from flowlib import evaluate, results
+
+
+def fake_evaluation(outputs, name="pair", with_source=True):
+    """Two runs (a stage-1 best_model.pt and a stage-3 last.pt) and an evaluation of both on 4 episodes."""
+    ckpts = []
+    for folder, file in [("01_shortcut_bc/start", "best_model.pt"), ("03_reinflow/tuned_s0", "last.pt")]:
+        run = outputs / folder
+        run.mkdir(parents=True)
+        (run / "params.yaml").write_text(f"run_name: {run.name}\nseed: 0\n")
+        (run / file).write_bytes(b"not a checkpoint")
+        ckpts.append(run / file)
+    outcomes = {"start/best_model.pt": [1, 0, 0, 1], "tuned_s0/last.pt": [1, 1, 1, 1]}
+    res = {k: {"per_episode_success_once": [bool(x) for x in v], "per_episode_return": [float(x) for x in v],
+               "success_at_end": 0.5, "act_horizon": 8} for k, v in outcomes.items()}
+    src = outputs / "evaluate" / name
+    src.mkdir(parents=True)
+    source = {"command": "python -m flowlib.evaluate ...", "commit": "abc123", "machine": "a CPU",
+              "checkpoints": [str(p) for p in ckpts]} if with_source else None
+    evaluate.write_report(src, res, 30000, source)
+    return src, ckpts
+
+
+@pytest.fixture
+def roots(tmp_path, monkeypatch):
+    outputs = tmp_path / "outputs"
+    monkeypatch.setenv("FLOWLIB_OUTPUTS", str(outputs))
+    monkeypatch.setattr(results, "RESULTS_ROOT", tmp_path / "results")
+    return outputs, tmp_path / "results"
+
+
+def test_publish_copies_the_evaluation_the_runs_params_and_where_it_came_from(roots):
+    outputs, root = roots
+    src, _ = fake_evaluation(outputs)
+    assert results.main(["publish", str(src), "--as", "demo/pair"]) == 0
+    dest = root / "demo" / "pair"
+    assert {p.name for p in dest.iterdir()} == {"results.csv", "per_episode.csv", "per_episode_return.csv",
+                                                "per_episode_flags.csv", "summary.json", "record.json", "params"}
+    assert sorted(p.name for p in (dest / "params").iterdir()) == ["start__best_model.pt.yaml",
+                                                                   "tuned_s0__last.pt.yaml"]
+    record = json.loads((dest / "record.json").read_text())
+    assert record["commit"] == "abc123" and record["command"].startswith("python -m flowlib.evaluate")
+    assert results.check(root) == []
+    with pytest.raises(FileExistsError, match="--force"):
+        results.publish(src, "demo/pair")
+
+
+def test_publish_refuses_a_folder_that_is_not_an_evaluation_and_checkpoints_that_are_not_its_own(roots):
+    outputs, _ = roots
+    (outputs / "03_reinflow" / "run").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="not an evaluation folder"):
+        results.publish(outputs / "03_reinflow" / "run", "x")
+    src, ckpts = fake_evaluation(outputs, with_source=False)  # written before evaluate recorded its checkpoints
+    with pytest.raises(ValueError, match="--checkpoints"):
+        results.publish(src, "old")
+    with pytest.raises(ValueError, match="scored"):
+        results.publish(src, "old", [str(ckpts[1]), str(ckpts[0])])  # another order: other labels
+    dest = results.publish(src, "old", [str(p) for p in ckpts])
+    record = json.loads((dest / "record.json").read_text())
+    assert record["command_rebuilt"] and record["commit"] == "not recorded" and "--seed 30000" in record["command"]
+
+
+def test_check_names_the_file_and_row_whose_number_drifted_from_its_episodes(roots):
+    outputs, root = roots
+    dest = results.publish(fake_evaluation(outputs)[0], "demo/pair")
+    csv = dest / "results.csv"
+    csv.write_text(csv.read_text().replace("0.5,", "0.6,", 1))  # start's success 0.5 -> 0.6
+    [problem] = results.check(root)
+    assert "start/best_model.pt success = 0.6 in results.csv, 0.5 from per_episode.csv" in problem
+
+
+def test_the_committed_results_keep_their_budget_and_every_number_re_derives():
+    assert results.check() == []
