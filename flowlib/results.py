@@ -1,6 +1,7 @@
 """Results as data: the files behind a published number, committed under ``results/<record>/``.
 
     python -m flowlib.results publish outputs/evaluate/metaworld_pick_place_cosine --as metaworld/pick_place_cosine
+    python -m flowlib.results tables   # rewrite the results tables in docs/ and the README from results/
     python -m flowlib.results check
 
 ``outputs/`` is git-ignored; ``results/`` is not.  A record is one evaluation (``flowlib.evaluate``'s folder) and
@@ -17,11 +18,17 @@ the runs it scored, copied so that a reader can re-derive every number a results
 Checkpoints and metrics streams stay out: the whole folder keeps within ``BUDGET_BYTES`` (``check``).  ``check``
 also re-derives every record's success rates and paired differences from its per-episode file, so a
 ``results.csv`` cannot drift from the episodes it summarises.
+
+**Tables from the data.**  A page marks a table as a record's with ``<!-- table: <record> -->`` before it and
+``<!-- end table -->`` after it; ``tables`` writes the table between them from the record's ``results.csv`` (one row
+per evaluated policy: success, its paired difference from the first row, success at the episode's end), and
+``check`` fails on a marked table that differs from what the record gives, naming the page and the record.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -131,6 +138,70 @@ def rederive(record: Path) -> list[str]:
     return problems
 
 
+TABLE = re.compile(r"(<!-- table: (?P<record>[\w./-]+) -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
+PAGES = ("README.md", "docs")  # where marked tables may be, relative to the repository
+
+
+def table(record: str, root: Path = RESULTS_ROOT) -> str:
+    """The markdown table of ``record``'s ``results.csv``: each policy's success, its paired difference from the first
+    row and its success at the episode's end, as the results pages print them (3 decimals, ``+-`` one SE)."""
+    path = root / record / "results.csv"
+    if not path.is_file():
+        raise FileNotFoundError(f"no record {record!r} under {shown(root)}: publish it with python -m flowlib.results "
+                                f"publish outputs/evaluate/<run-name> --as {record}")
+    rows = pd.read_csv(path).to_dict("records")
+    lines = ["| policy | success_once | paired vs the first row | success_at_end |", "|---|---|---|---|"]
+    for i, r in enumerate(rows):
+        diff = "(reference)" if i == 0 else f"{r['diff']:+.3f} +- {r['diff_se']:.3f}"
+        lines.append(f"| `{r['policy']}` | {r['success']:.3f} +- {r['se']:.3f} | {diff} | {r['success_at_end']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def pages(repo: Path = REPO_ROOT) -> list[Path]:
+    out = []
+    for name in PAGES:
+        path = repo / name
+        out += sorted(path.rglob("*.md")) if path.is_dir() else [path] if path.is_file() else []
+    return out
+
+
+def marked_tables(text: str, root: Path = RESULTS_ROOT) -> tuple[str, list[str]]:
+    """``text`` with every marked table written from its record, and the records whose table it changed."""
+    changed = []
+
+    def fill(m):
+        body = table(m.group("record"), root)
+        if body != m.group("body"):
+            changed.append(m.group("record"))
+        return m.group(1) + body + m.group(4)
+    return TABLE.sub(fill, text), changed
+
+
+def write_tables(repo: Path = REPO_ROOT, root: Path = RESULTS_ROOT) -> list[str]:
+    """Rewrite every marked table of the pages from ``root``; returns ``page: record`` for each one rewritten."""
+    done = []
+    for page in pages(repo):
+        text, changed = marked_tables(page.read_text(), root)
+        if changed:
+            page.write_text(text)
+            done += [f"{page.relative_to(repo)}: {r}" for r in changed]
+    return done
+
+
+def stale_tables(repo: Path = REPO_ROOT, root: Path = RESULTS_ROOT) -> list[str]:
+    """A line per marked table that differs from its record's data (``check``)."""
+    problems = []
+    for page in pages(repo):
+        try:
+            _, changed = marked_tables(page.read_text(), root)
+        except FileNotFoundError as err:
+            problems.append(f"{page.relative_to(repo)}: {err}")
+            continue
+        problems += [f"{page.relative_to(repo)}: the table of record {r} differs from results/{r}/results.csv: run "
+                     "python -m flowlib.results tables" for r in changed]
+    return problems
+
+
 def records(root: Path = RESULTS_ROOT) -> list[Path]:
     return sorted(p.parent for p in root.rglob("record.json"))
 
@@ -142,7 +213,7 @@ def check(root: Path = RESULTS_ROOT) -> list[str]:
                                                    f"{BUDGET_BYTES / 2**20:.0f} MiB: publish per-episode files only"]
     for record in records(root):
         problems += rederive(record)
-    return problems
+    return problems + (stale_tables(REPO_ROOT, root) if root == RESULTS_ROOT else [])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     pub.add_argument("--checkpoints", nargs="+", default=None,
                      help="the evaluated checkpoints, in order (only for folders written before 2026-12-06)")
     pub.add_argument("--force", action="store_true", help="replace an existing record")
-    sub.add_parser("check", help="size budget, and every record's numbers re-derived from its per-episode file")
+    sub.add_parser("tables", help="rewrite every marked results table in the README and docs/ from results/")
+    sub.add_parser("check", help="size budget, every record's numbers re-derived from its per-episode file, every "
+                                 "marked table as its record gives it")
     args = ap.parse_args(argv)
     if args.cmd == "publish":
         try:
@@ -164,6 +237,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
         print(f"-> {shown(dest)}")
+        return 0
+    if args.cmd == "tables":
+        try:
+            done = write_tables()
+        except FileNotFoundError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print("\n".join(done) or "every marked table is up to date")
         return 0
     problems = check()
     for p in problems:

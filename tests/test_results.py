@@ -77,3 +77,31 @@ def test_check_names_the_file_and_row_whose_number_drifted_from_its_episodes(roo
 
 def test_the_committed_results_keep_their_budget_and_every_number_re_derives():
     assert results.check() == []
+
+
+HAND_WRITTEN = """| policy | success_once | paired vs the first row | success_at_end |
+|---|---|---|---|
+| `start/best_model.pt` | 0.500 +- 0.250 | (reference) | 0.500 |
+| `tuned_s0/last.pt` | 1.000 +- 0.000 | +0.500 +- 0.289 | 0.500 |
+"""
+
+
+def test_a_marked_table_is_written_from_its_record_and_a_changed_digit_is_caught(roots, tmp_path):
+    outputs, root = roots
+    results.publish(fake_evaluation(outputs)[0], "demo/pair")
+    assert results.table("demo/pair", root) == HAND_WRITTEN
+    repo = tmp_path / "repo"
+    (repo / "docs").mkdir(parents=True)
+    page = repo / "docs" / "page.md"
+    page.write_text("Before.\n\n<!-- table: demo/pair -->\n| stale |\n<!-- end table -->\n\nAfter.\n")
+    assert results.stale_tables(repo, root) == ["docs/page.md: the table of record demo/pair differs from "
+                                                "results/demo/pair/results.csv: run python -m flowlib.results tables"]
+    assert results.write_tables(repo, root) == ["docs/page.md: demo/pair"]
+    assert page.read_text() == f"Before.\n\n<!-- table: demo/pair -->\n{HAND_WRITTEN}<!-- end table -->\n\nAfter.\n"
+    assert results.stale_tables(repo, root) == []
+    page.write_text(page.read_text().replace("0.500 +- 0.250", "0.600 +- 0.250"))  # one digit
+    assert len(results.stale_tables(repo, root)) == 1
+    page.write_text(page.read_text().replace("demo/pair", "demo/gone"))
+    with pytest.raises(FileNotFoundError, match="publish"):
+        results.table("demo/gone", root)
+    assert "no record 'demo/gone'" in results.stale_tables(repo, root)[0]
