@@ -206,14 +206,16 @@ def records(root: Path = RESULTS_ROOT) -> list[Path]:
     return sorted(p.parent for p in root.rglob("record.json"))
 
 
-def check(root: Path = RESULTS_ROOT) -> list[str]:
-    """Every problem with ``root``: over the size budget, a record whose numbers do not re-derive."""
+def check(root: Path | None = None, repo: Path | None = REPO_ROOT) -> list[str]:
+    """Every problem with ``root`` (``results/``): over the size budget, a record whose numbers do not re-derive, and
+    (unless ``repo`` is None) a marked table of ``repo``'s pages that differs from its record."""
+    root = RESULTS_ROOT if root is None else root
     size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.exists() else 0
     problems = [] if size <= BUDGET_BYTES else [f"{shown(root)} holds {size / 2**20:.1f} MiB, over its budget of "
                                                    f"{BUDGET_BYTES / 2**20:.0f} MiB: publish per-episode files only"]
     for record in records(root):
         problems += rederive(record)
-    return problems + (stale_tables(REPO_ROOT, root) if root == RESULTS_ROOT else [])
+    return problems + (stale_tables(repo, root) if repo is not None else [])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,7 +46,7 @@ def test_publish_copies_the_evaluation_the_runs_params_and_where_it_came_from(ro
                                                                    "tuned_s0__last.pt.yaml"]
     record = json.loads((dest / "record.json").read_text())
     assert record["commit"] == "abc123" and record["command"].startswith("python -m flowlib.evaluate")
-    assert results.check(root) == []
+    assert results.check(root, repo=None) == []
     with pytest.raises(FileExistsError, match="--force"):
         results.publish(src, "demo/pair")
 
@@ -71,7 +71,7 @@ def test_check_names_the_file_and_row_whose_number_drifted_from_its_episodes(roo
     dest = results.publish(fake_evaluation(outputs)[0], "demo/pair")
     csv = dest / "results.csv"
     csv.write_text(csv.read_text().replace("0.5,", "0.6,", 1))  # start's success 0.5 -> 0.6
-    [problem] = results.check(root)
+    [problem] = results.check(root, repo=None)
     assert "start/best_model.pt success = 0.6 in results.csv, 0.5 from per_episode.csv" in problem
 
 
