@@ -51,8 +51,8 @@ def run_folder(checkpoint: Path) -> Path | None:
     for folder in [checkpoint.parent, *checkpoint.parent.parents]:
         if (folder / "params.yaml").is_file():
             return folder
-        if folder == outputs_root() or folder == folder.parent:
-            return None
+        if folder == outputs_root():
+            break
     return None
 
 
