@@ -231,9 +231,9 @@ COMMON_HELP = {
 
 
 def field_help(cls) -> dict[str, str]:
-    """Each field's help on one line: the comment after its declaration in the class (with the comment-only lines
-    that continue it, whole), or in the nearest base class
-    that has one (a subclass that only changes defaults keeps its bases' help), else ``COMMON_HELP``'s."""
+    """Each field's help on one line: the comment after its declaration (with the comment-only lines that continue
+    it) in the class, or in the nearest base class that has one (a subclass that only changes defaults keeps its
+    bases' help), else ``COMMON_HELP``'s."""
     out: dict[str, str] = {}
     for klass in cls.__mro__:
         if not dataclasses.is_dataclass(klass):

@@ -28,7 +28,7 @@ import torch
 from . import bc, chunk_policy, progress
 from .config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from .runs import load_torch, rng_state, save_torch, set_rng_state
-from .schedules import LR_SCHEDULES, NOISE_SCHEDULES, lr_factor, noise_schedule  # noqa: F401  (loop.lr_factor, loop.noise_schedule)
+from .schedules import LR_SCHEDULES, NOISE_SCHEDULES, lr_factor, noise_schedule  # noqa: F401  (kept as loop.<name>)
 from .smdp import REACH_ENVS, REWARDS, ChunkRunner
 
 CHECKPOINT_FORMAT = "flowlib.reinflow/1"  # every stage-3 checkpoint, whatever its method (the name is historical)
