@@ -12,7 +12,7 @@ DEMO_NOTEBOOKS := 00_flows_2d 01_shortcut_bc 02_aw_shortcut 03_reinflow 04_flow_
 
 install: system-deps $(STAMP)
 
-# The one place for system packages (Vulkan for ManiSkill on CPU, OSMesa for Meta-World's frames): see flowlib/sysdeps.py.
+# The one place for system packages (Vulkan for ManiSkill on CPU, OSMesa for Meta-World's frames): see flowlib/infra/sysdeps.py.
 system-deps:
 	@$(PYTHON) -m flowlib.sysdeps
 
@@ -52,7 +52,7 @@ sync: install
 	@$(MAKE) --no-print-directory strip
 
 # Re-execute the notebooks on their defaults and store the outputs as the nbval references
-# (progress as plain lines, as in a headless run: flowlib/progress.py).
+# (progress as plain lines, as in a headless run: flowlib/infra/progress.py).
 notebooks: install
 	@for py in $(NOTEBOOKS); do \
 		echo "== executing $$py"; \

@@ -28,10 +28,11 @@ import torch
 from scipy import stats
 from tqdm import tqdm
 
-from flowlib import loop, reinflow, stage3
-from flowlib.envs import make_env
-from flowlib.run import parse_overrides
-from flowlib.runs import run_dir, save_json
+from flowlib.rl import loop
+from flowlib.methods import reinflow, stage3
+from flowlib.envs.maniskill import make_env
+from flowlib.tools.run import parse_overrides
+from flowlib.infra.runs import run_dir, save_json
 
 
 def main(argv=None) -> dict:

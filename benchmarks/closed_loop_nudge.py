@@ -1,16 +1,16 @@
 """What a per-step, closed-loop correction of the stage-1 policy could buy on PickCube, and what a bias costs.
 
-Not a learner: a diagnostic that bounds what ``steer: residual_step`` (``flowlib.residual_step``) is after. The
+Not a learner: a diagnostic that bounds what ``steer: residual_step`` (``flowlib.methods.residual_step``) is after. The
 stage-1 flow runs as evaluated everywhere else (a chunk per decision from ``x_0 ~ N(0, I)``, 8 actions open loop),
 and every executed action is corrected from the *current* observation before it runs, through the same
-``correct_step`` seam that ``flowlib.bc.evaluate`` calls for a learned residual:
+``correct_step`` seam that ``flowlib.policies.bc.evaluate`` calls for a learned residual:
 
 * ``nudge k``: while the cube is grasped, add ``k * obj_to_goal / 0.1 m`` to the gripper's xyz action
   (``pd_ee_delta_pos``: an action of 1 asks for a 10 cm move), so the target moves ``k`` of the way to the goal;
 * ``bias y=c`` (normalised action units): add a constant ``c`` to one axis at every step: the kind of small,
   systematic error a learned residual makes when its critic's slope in ``r`` is noise.
 
-Every row meets the same episodes (``--seed``..), paired with the plain stage-1 policy (``flowlib.metrics``);
+Every row meets the same episodes (``--seed``..), paired with the plain stage-1 policy (``flowlib.infra.metrics``);
 prints the table and writes ``outputs/benchmarks/closed_loop_nudge/<name>.json``.
 
     .venv/bin/python benchmarks/closed_loop_nudge.py outputs/01_shortcut_bc/cpu100/best_model.pt \\
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from flowlib import bc
-from flowlib.envs import make_env
-from flowlib.metrics import paired_means, success_rates
-from flowlib.runs import run_dir, save_json
+from flowlib.policies import bc
+from flowlib.envs.maniskill import make_env
+from flowlib.infra.metrics import paired_means, success_rates
+from flowlib.infra.runs import run_dir, save_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark that reads PickCube's layout
 from latent_steering import GRASPED, OBJ_TO_GOAL, check_layout  # noqa: E402

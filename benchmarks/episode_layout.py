@@ -1,9 +1,9 @@
 """Where on the table PickCube episodes fail: an evaluation's results split by the cube's start and the goal's height.
 
-A diagnostic for stage 3 (docs/stage3.md, "The misses are one half of the table"): ``flowlib.evaluate`` writes, per env
+A diagnostic for stage 3 (docs/stage3.md, "The misses are one half of the table"): ``flowlib.tools.evaluate`` writes, per env
 seed, each policy's success and task flags (``outputs/evaluate/<name>/per_episode.csv``, ``per_episode_flags.csv``).
-This script resets PickCube-v1 with the same seeds through the same env (``flowlib.envs.make_env``, as
-``flowlib.bc.evaluate`` does) and reads the layout from the reset observation: the cube's start (x, y) and the
+This script resets PickCube-v1 with the same seeds through the same env (``flowlib.envs.maniskill.make_env``, as
+``flowlib.policies.bc.evaluate`` does) and reads the layout from the reset observation: the cube's start (x, y) and the
 goal's (x, y, z).  Per policy it prints
 
 * grasped and success on the two halves of the table, cube ``y < 0`` / ``y >= 0``;
@@ -25,8 +25,8 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from flowlib.envs import make_env
-from flowlib.runs import outputs_root, run_dir, save_json
+from flowlib.envs.maniskill import make_env
+from flowlib.infra.runs import outputs_root, run_dir, save_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark that reads PickCube's layout
 from latent_steering import GOAL, OBJ, check_layout  # noqa: E402

@@ -1,4 +1,4 @@
-"""Throughput of a fast torch task (``flowlib.fast_envs``) with the policy in the loop, against num_envs.
+"""Throughput of a fast torch task (``flowlib.envs.fast_envs``) with the policy in the loop, against num_envs.
 
 One row per num_envs: the raw env's steps/s (random actions), the steps/s of chain ReinFlow's whole rollout loop
 (``reinflow.collect``: one noisy chain and V per decision for all envs, ``Ta`` env steps per decision, bookkeeping),
@@ -18,9 +18,10 @@ import platform
 
 import torch
 
-from flowlib import bench, stage3
-from flowlib.envs import make_env
-from flowlib.runs import run_dir, save_json
+from flowlib.tools import bench
+from flowlib.methods import stage3
+from flowlib.envs.maniskill import make_env
+from flowlib.infra.runs import run_dir, save_json
 
 
 def main(argv=None) -> list[dict]:

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fast_env_throughput, beside this file
 import fast_env_throughput  # noqa: E402
 
-from flowlib.runs import REPO_ROOT, outputs_root, read_metrics, run_dir, save_json  # noqa: E402
+from flowlib.infra.runs import REPO_ROOT, outputs_root, read_metrics, run_dir, save_json  # noqa: E402
 
 STAGE1_PARAMS = "params/01_shortcut_bc/fast_push_mlp.yaml"
 STAGE1_CHECKPOINT = "01_shortcut_bc/fast_push_mlp/best_model.pt"

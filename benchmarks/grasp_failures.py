@@ -3,7 +3,7 @@ and how the carry ends (episodes that grasp and never place the cube: slipped, d
 
 A diagnostic for stage 3 (docs/stage3.md, "The dense reward holds the success; neither reward moves the grasp"): the
 per-step residual lifts the carry but leaves the grasp rate where stage 1 had it.  Each checkpoint (stage-1/2
-``best_model.pt`` or a stage-3 ``last.pt``) runs the same episodes (``--seed``..) through ``flowlib.bc.evaluate``
+``best_model.pt`` or a stage-3 ``last.pt``) runs the same episodes (``--seed``..) through ``flowlib.policies.bc.evaluate``
 with the rollouts recorded; for every episode it reads, from the state observations and the executed actions:
 
 * whether the cube was ever grasped (the env's ``is_grasped`` flag) and at which step first;
@@ -37,11 +37,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from flowlib import bc
-from flowlib.envs import make_env, resolve_backend
-from flowlib.tasks import PICKCUBE_FINGERS
-from flowlib.evaluate import load_checkpoint_policy
-from flowlib.runs import run_dir, save_json
+from flowlib.policies import bc
+from flowlib.envs.maniskill import make_env, resolve_backend
+from flowlib.envs.tasks import PICKCUBE_FINGERS
+from flowlib.tools.evaluate import load_checkpoint_policy
+from flowlib.infra.runs import run_dir, save_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark that reads PickCube's layout
 from latent_steering import GRASPED, OBJ, OBJ_TO_GOAL, TCP, TCP_TO_OBJ, check_layout  # noqa: E402
@@ -78,7 +78,7 @@ def episode_report(ep, grasped: bool, look_at: int) -> dict:
 
 def counted(obs: torch.Tensor, min_gap: float) -> torch.Tensor:
     """``[T]`` bool: the grasp as stage 3's learning reward counts it after each step (``is_grasped`` with the fingers
-    ``>= min_gap`` apart; ``flowlib.smdp.ChunkRunner._grasped``), from an episode's observations ``[T+1, O]``."""
+    ``>= min_gap`` apart; ``flowlib.envs.smdp.ChunkRunner._grasped``), from an episode's observations ``[T+1, O]``."""
     return (obs[1:, GRASPED] > 0.5) & (obs[1:, PICKCUBE_FINGERS].sum(1) >= min_gap)
 
 
@@ -129,7 +129,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)  # leave the cores to the env workers
     out, t0 = {}, time.time()
-    # on physx_cpu a fresh scene per episode, as flowlib.evaluate: the same episodes, whatever ran before them
+    # on physx_cpu a fresh scene per episode, as flowlib.tools.evaluate: the same episodes, whatever ran before them
     fresh = resolve_backend("auto") == "physx_cpu"
     with make_env("PickCube-v1", args.num_envs, control_mode="pd_ee_delta_pos", fresh_scene=fresh) as env:
         for path in tqdm(args.checkpoints, desc="checkpoints"):

@@ -3,7 +3,7 @@ and the chain policy's overhead in the loop.
 
 Each simulator is stepped with random actions (the raw rate: the worker processes and their IPC included, new episodes
 at the time limit not timed), then, given a stage-1 checkpoint of the Meta-World task, chain ReinFlow's whole rollout
-loop runs on it (``flowlib.bench.overhead``: a noisy K-step chain and V per decision, ``Ta`` env steps per decision).
+loop runs on it (``flowlib.tools.bench.overhead``: a noisy K-step chain and V per decision, ``Ta`` env steps per decision).
 Issue 98's claim to check: Meta-World steps ~4.7x faster than ManiSkill's PickCube on this machine.
 
     .venv/bin/python benchmarks/metaworld_throughput.py \\
@@ -21,9 +21,10 @@ import time
 
 import torch
 
-from flowlib import bench, stage3
-from flowlib.envs import make_env
-from flowlib.runs import run_dir, save_json
+from flowlib.tools import bench
+from flowlib.methods import stage3
+from flowlib.envs.maniskill import make_env
+from flowlib.infra.runs import run_dir, save_json
 
 
 def raw_rate(env_id: str, num_envs: int, steps: int, seed: int = 0) -> float:

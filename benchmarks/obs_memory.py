@@ -1,6 +1,6 @@
 """The seed's memory table: peak memory and env steps/s against ``num_envs``, per observation mode.
 
-For each ``--obs-modes`` (state, rgb, rgbd, pointcloud) and ``--num-envs``, this makes ``flowlib.envs.make_env``'s
+For each ``--obs-modes`` (state, rgb, rgbd, pointcloud) and ``--num-envs``, this makes ``flowlib.envs.maniskill.make_env``'s
 envs of ``--env-id`` (``physx_cpu``: one process per env behind gymnasium's AsyncVectorEnv; ``physx_cuda`` with all
 envs in one process where SAPIEN's GPU PhysX loads), resets them, steps them ``--steps`` times with random actions,
 and reports:
@@ -9,7 +9,7 @@ and reports:
 * ``peak_rss_mb``: the peak resident memory of this process and its env workers together, sampled every 10 steps
   (``psutil``); ``per_env_mb`` that over ``num_envs``;
 * ``obs_kb``: one packed observation frame as the policy reads it (float32), and ``stored_kb``: the same frame as a
-  dataset stores it (``flowlib.visual``: uint8 colour, float16 depth and points, float32 state);
+  dataset stores it (``flowlib.envs.visual``: uint8 colour, float16 depth and points, float32 state);
 * ``peak_gpu_mb``: on a CUDA machine, ``torch.cuda.max_memory_allocated`` (the envs' tensors on ``physx_cuda``).
 
     .venv/bin/python benchmarks/obs_memory.py --num-envs 1 2 4 --obs-modes state rgb rgbd pointcloud
@@ -28,9 +28,9 @@ import pandas as pd
 import psutil
 import torch
 
-from flowlib import visual
-from flowlib.envs import make_env
-from flowlib.runs import run_dir, save_text
+from flowlib.envs import visual
+from flowlib.envs.maniskill import make_env
+from flowlib.infra.runs import run_dir, save_text
 
 
 def tree_rss_mb() -> float:
@@ -46,7 +46,7 @@ def tree_rss_mb() -> float:
 
 
 def stored_kb(mode: str, obs_dim: int, camera_size: int, num_points: int) -> float:
-    """One frame as ``flowlib.visual``'s demo files store it: float32 state, uint8 colour, float16 depth and points."""
+    """One frame as ``flowlib.envs.visual``'s demo files store it: float32 state, uint8 colour, float16 depth and points."""
     if mode == "state":
         return 4 * obs_dim / 1024
     view = _view_dim(mode, camera_size, num_points)

@@ -27,8 +27,9 @@ import time
 
 import torch
 
-from flowlib import bench, reinflow_agent, stage3
-from flowlib.runs import run_dir, save_json
+from flowlib.tools import bench
+from flowlib.methods import reinflow_agent, stage3
+from flowlib.infra.runs import run_dir, save_json
 
 
 def _sync(device: torch.device) -> None:

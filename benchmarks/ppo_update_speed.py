@@ -21,8 +21,9 @@ import time
 
 import torch
 
-from flowlib import ppo, stage3
-from flowlib.runs import run_dir, save_json
+from flowlib.rl import ppo
+from flowlib.methods import stage3
+from flowlib.infra.runs import run_dir, save_json
 
 
 def main(argv=None) -> list[dict]:

@@ -1,6 +1,6 @@
 """What did a per-chunk residual learn? Its mean correction per action dim, on the demonstrations' states.
 
-A ``steer: residual`` checkpoint (``flowlib.residual``) adds ``r ~ N(mu(o, a_b), sigma^2)`` to the executed actions
+A ``steer: residual`` checkpoint (``flowlib.methods.residual``) adds ``r ~ N(mu(o, a_b), sigma^2)`` to the executed actions
 of the frozen flow's chunk; its deterministic policy adds ``mu``.  This script runs that deterministic decision on
 observation windows taken from the stage-1 demonstrations (every ``--stride``-th step of each episode; the base chunk
 from the checkpoint's own ``x_0 ~ N(0, I)``, seeded) and reports, per action dim (PickCube ``pd_ee_delta_pos``:
@@ -16,9 +16,10 @@ import argparse
 
 import torch
 
-from flowlib import data, stage3
-from flowlib.residual import ResidualAgent
-from flowlib.runs import run_dir, save_json
+from flowlib.envs import data
+from flowlib.methods import stage3
+from flowlib.methods.residual import ResidualAgent
+from flowlib.infra.runs import run_dir, save_json
 
 
 def demo_windows(episodes: list[data.Episode], obs_horizon: int, stride: int) -> torch.Tensor:
@@ -34,7 +35,7 @@ def demo_windows(episodes: list[data.Episode], obs_horizon: int, stride: int) ->
 def residual_stats(agent: ResidualAgent, windows: torch.Tensor, generator: torch.Generator) -> dict:
     """Per action dim: mean ``|mu|``, mean ``mu`` and the share of entries with ``|mu| > 0.75 b``, over the windows
     and the residual's rows.  ``mu`` is read from the deterministic decision (row 0, the executed rows:
-    ``flowlib.residual``'s format)."""
+    ``flowlib.methods.residual``'s format)."""
     if not isinstance(agent, ResidualAgent):
         raise ValueError(f"this script reads a steer 'residual' checkpoint, got {type(agent).__name__}: "
                          "for steer 'residual_step' the correction is the actor's output at each env step")

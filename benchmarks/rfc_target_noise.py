@@ -1,9 +1,9 @@
 """How far a few reflow steps move a flow policy, by what the chunks it is reflowed on carry: demos, its own ODE
 chunks, or its own noisy-chain chunks at a given noise level.
 
-Not a learner: a diagnostic of RFC (``flowlib.rfc``) that needs no simulator. From a stage-1 checkpoint it builds
+Not a learner: a diagnostic of RFC (``flowlib.methods.rfc``) that needs no simulator. From a stage-1 checkpoint it builds
 RFC's agent (a params file's chain: K, noise bounds) and, for each target source, takes ``--steps`` Adam steps of
-stage 1's ShortCut loss (``flowlib.rfc.RFCLearner.flow``, the live net, at ``--lr``) on ``--windows`` demo
+stage 1's ShortCut loss (``flowlib.methods.rfc.RFCLearner.flow``, the live net, at ``--lr``) on ``--windows`` demo
 observation windows, with as targets
 
 * ``demos``: the demonstrations' own chunks (what stage 1 fitted);
@@ -25,9 +25,11 @@ import copy
 
 import torch
 
-from flowlib import bc, config, stage3
-from flowlib.rfc import RFCLearner
-from flowlib.runs import run_dir, save_json
+from flowlib.policies import bc
+from flowlib.infra import config
+from flowlib.methods import stage3
+from flowlib.methods.rfc import RFCLearner
+from flowlib.infra.runs import run_dir, save_json
 
 
 def deterministic_chunks(agent, obs_n: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 On 2 cores the target run (``params/06_steering/cpu.yaml``) spends about two thirds of its wall time in rollouts,
 and the policy's share of those is small (``reinflow_overhead.py``): the simulator step is the cost. This steps
-one ``physx_cpu`` env in this process (``flowlib.envs.make_env``, as a rollout worker runs it) with seeded random
+one ``physx_cpu`` env in this process (``flowlib.envs.maniskill.make_env``, as a rollout worker runs it) with seeded random
 actions and times the parts of ManiSkill's ``step``:
 
     controller   ``agent.set_action``: the controller's targets (for ``pd_ee_delta_pos``: the end effector's
@@ -28,9 +28,9 @@ from collections import defaultdict
 import torch
 from tqdm import tqdm
 
-from flowlib.envs import make_env
-from flowlib.tasks import DEFAULT_CONTROL_MODE
-from flowlib.runs import run_dir, save_json
+from flowlib.envs.maniskill import make_env
+from flowlib.envs.tasks import DEFAULT_CONTROL_MODE
+from flowlib.infra.runs import run_dir, save_json
 
 PARTS = ("controller", "physics", "evaluate", "observation", "reward")
 

@@ -1,4 +1,4 @@
-"""What one TD3 step of the per-step residual costs (``flowlib.residual_td3.td3_update``), and Adam's share of it.
+"""What one TD3 step of the per-step residual costs (``flowlib.methods.residual_td3.td3_update``), and Adam's share of it.
 
 The target run (``params/06_steering/cpu.yaml``) takes 0.25 gradient steps per env step, ~78k in all, and on 2
 cores they were ~37% of its wall time: at these sizes (batch 256, MLPs 256 x 256) a step is as much per-op overhead
@@ -23,9 +23,10 @@ import time
 import torch
 from tqdm import tqdm
 
-from flowlib import config, residual_td3, stage3
-from flowlib.loop import on_all_cores
-from flowlib.runs import run_dir, save_json
+from flowlib.infra import config
+from flowlib.methods import residual_td3, stage3
+from flowlib.rl.loop import on_all_cores
+from flowlib.infra.runs import run_dir, save_json
 
 ADAM = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 

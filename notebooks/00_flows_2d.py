@@ -23,11 +23,11 @@
 # control: *how good are the samples with very few integration steps?* (A policy that needs 100
 # network calls per action is too slow for a 10 Hz controller and too long a chain for RL.)
 #
-# **Time convention** (one for all of `flowlib`, see `flowlib/flows.py`): $t = 0$ is noise, $t = 1$
+# **Time convention** (one for all of `flowlib`, see `flowlib/flows/models.py`): $t = 0$ is noise, $t = 1$
 # is data,
 # $$x_t = (1 - t)\,x_0 + t\,x_1,\qquad x_0 \sim \mathcal N(0, I),\; x_1 \sim p_\text{data},\qquad
 #   \frac{dx_t}{dt} = x_1 - x_0 .$$
-# (`flowlib.flows.interpolate`; ReFlow regresses $v_\theta(x_t, t)$ on $x_1 - x_0$: `flowlib.flows.ReFlow.loss`.)
+# (`flowlib.flows.models.interpolate`; ReFlow regresses $v_\theta(x_t, t)$ on $x_1 - x_0$: `flowlib.flows.models.ReFlow.loss`.)
 #
 # | method | network learns | training target | sampling with $K$ steps |
 # |---|---|---|---|
@@ -44,10 +44,10 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
-from flowlib import config, progress, runs
-from flowlib.metrics import sliced_wasserstein
-from flowlib.toy2d import Flows2DConfig, build_model, sample_target, train_2d
-from flowlib.tracking import Tracker
+from flowlib.infra import config, progress, runs
+from flowlib.infra.metrics import sliced_wasserstein
+from flowlib.flows.toy2d import Flows2DConfig, build_model, sample_target, train_2d
+from flowlib.infra.tracking import Tracker
 
 # %% tags=["parameters"]
 # Defaults: the small CPU run (a few minutes). Larger runs: params/00_flows_2d/*.yaml.
@@ -116,7 +116,7 @@ plt.show()
 #   \frac{d}{dt}u = v\cdot\partial_x u + \partial_t u ,$$
 # and $\frac{d}{dt}u$ is one Jacobian-vector product of the network along the tangent $(v, 1, 0)$ for
 # $(x, t, s)$ (`torch.func.jvp`). The right-hand side, with the conditional $v = x_1 - x_0$ and a
-# stop-gradient, is the regression target (`flowlib.flows.MeanFlow.target`). $(t, s)$ are drawn logit-normal; 75% of pairs have
+# stop-gradient, is the regression target (`flowlib.flows.models.MeanFlow.target`). $(t, s)$ are drawn logit-normal; 75% of pairs have
 # $s = t$ (plain flow matching, no JVP needed), 25% a real jump; the squared error is weighted by
 # $1/(\|\text{err}\|^2 + \epsilon)^p$. Two details matter more than one would guess (measured while
 # building this notebook, two moons, 3000 steps): with $p = 1$ the loss becomes $\log\|\text{err}\|^2$,
@@ -126,7 +126,7 @@ plt.show()
 #
 # **ShortCut.** Condition on the step size $d$ and ask that one step of $2d$ equal two steps of $d$:
 # $$s(x_t, t, 2d) \approx \tfrac12\big[s(x_t, t, d) + s(x'_{t+d}, t + d, d)\big],\qquad x'_{t+d} = x_t + d\,s(x_t, t, d),$$
-# with the right-hand side from an EMA teacher (paper Eq. 5; `flowlib.flows.ShortCut.consistency_target`); the smallest step $d_\min = 1/128$
+# with the right-hand side from an EMA teacher (paper Eq. 5; `flowlib.flows.models.ShortCut.consistency_target`); the smallest step $d_\min = 1/128$
 # is anchored by plain flow matching. A share of each batch (here 25%) gets the self-consistency
 # target. Doubling propagates accuracy from $d_\min$ up to $d = 1$: one step.
 
@@ -157,7 +157,7 @@ plt.show()
 # %% [markdown]
 # ## Distance to the data: sliced Wasserstein-2, method × number of steps
 #
-# `flowlib.metrics.sliced_wasserstein` averages 1D Wasserstein distances over random directions
+# `flowlib.infra.metrics.sliced_wasserstein` averages 1D Wasserstein distances over random directions
 # (fixed seed). The row `data (floor)` compares two independent reference sets of the same size:
 # no model can beat that sampling noise.
 

@@ -29,7 +29,7 @@
 # with $a_0 \sim \mathcal N(0, I)$ and $a_1$ the normalised demo chunk, $a_t = (1 - t)a_0 + t a_1$,
 # $$\mathcal L = \mathbb E\,\big\|s_\theta(a_t, t, d_\min \mid o) - (a_1 - a_0)\big\|^2
 #   + \mathbb E\,\big\|s_\theta(a_t, t, 2d \mid o) - \tfrac12\big[s(a_t, t, d \mid o) + s(a'_{t+d}, t + d, d \mid o)\big]_\text{EMA}\big\|^2 ,$$
-# the second term on a quarter of each batch. The same `flowlib.flows.ShortCut.loss` as in notebook 00
+# the second term on a quarter of each batch. The same `flowlib.flows.models.ShortCut.loss` as in notebook 00
 # (no second copy); only the network changes: `ShortCutVelocityUNet1D`, Diffusion Policy's 1D
 # temporal U-Net with FiLM conditioning on $(t, d, o)$.
 #
@@ -49,10 +49,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from flowlib import bc, config, runs, visual
-from flowlib.data import check_held_out
-from flowlib.envs import make_env
-from flowlib.tracking import start_run
+from flowlib.policies import bc
+from flowlib.infra import config, runs
+from flowlib.envs import visual
+from flowlib.envs.data import check_held_out
+from flowlib.envs.maniskill import make_env
+from flowlib.infra.tracking import start_run
 
 # %% tags=["parameters"]
 # Defaults: the small CPU run (minutes; the policy will not solve the task yet).
@@ -69,7 +71,7 @@ action_norm: str = "minmax"  # "minmax" (to [-1, 1], Diffusion Policy's) or "mea
 down_dims: list[int] = [32, 64]  # the U-Net's channel widths
 emb_dim: int = 32  # width of the time and step-size embeddings
 obs_emb_dim: int = 0  # 0: the flat obs window conditions the U-Net; > 0: an MLP obs_encoder first
-obs_mode: str = "state"  # "state", or from the task camera "rgb", "rgbd", "pointcloud" (flowlib.visual)
+obs_mode: str = "state"  # "state", or from the task camera "rgb", "rgbd", "pointcloud" (flowlib.envs.visual)
 camera_size: int = 64  # the camera's width and height in pixels (visual obs modes)
 num_points: int = 512  # points per point-cloud frame (obs_mode pointcloud)
 random_shift: int = 4  # DrQ's image augmentation: pad and re-crop by up to this many pixels (0: off)
@@ -110,11 +112,11 @@ print(f"run folder: {runs.shown(run_path)}")
 # solution to state observations and `pd_ee_delta_pos` actions (end-effector displacement + gripper),
 # recording dense rewards and success flags, which later stages need. Cached under `outputs/data/`.
 # With `obs_mode` `rgb`, `rgbd` or `pointcloud`, each demo frame is also rendered from the task camera by setting the
-# simulator to the demo's recorded state (`flowlib.visual.replay_visual`), so frames, states and actions line up.
+# simulator to the demo's recorded state (`flowlib.envs.visual.replay_visual`), so frames, states and actions line up.
 
 # %%
 t0 = time.time()
-dataset, episodes = bc.demo_dataset(cfg)  # a visual obs_mode renders the demos into it once (flowlib.visual)
+dataset, episodes = bc.demo_dataset(cfg)  # a visual obs_mode renders the demos into it once (flowlib.envs.visual)
 lengths = np.array([len(ep) for ep in episodes])
 print(f"demos ready in {time.time() - t0:.0f}s: {len(episodes)} episodes, length {lengths.mean():.1f} ± {lengths.std():.1f}")
 check_held_out("val_seed", cfg.val_seed, cfg.num_eval_episodes + cfg.num_envs, episodes)
@@ -154,7 +156,7 @@ print(f"obs window {tuple(obs_w.shape)}, action chunk {tuple(act_w.shape)}")
 # ## What the camera sees
 # A visual policy reads, per frame, the robot's own state and the task's goal (no object pose) packed with the camera's
 # view: colour (`rgb`), colour and depth (`rgbd`) or the points above the table (`pointcloud`, farthest-point sampled).
-# Its `obs_encoder` turns each frame's view into features (`flowlib.encoders`: a CNN with a spatial soft-argmax, or
+# Its `obs_encoder` turns each frame's view into features (`flowlib.policies.encoders`: a CNN with a spatial soft-argmax, or
 # DP3's PointNet); the rest of the policy is the state policy's. A state policy (the default) has no camera.
 
 # %%
@@ -183,7 +185,7 @@ else:
 
 # %% [markdown]
 # ## Simulator
-# `flowlib.envs.make_env` picks `physx_cuda` with many envs on a GPU, else `physx_cpu` with one
+# `flowlib.envs.maniskill.make_env` picks `physx_cuda` with many envs on a GPU, else `physx_cpu` with one
 # env per process behind gymnasium's `AsyncVectorEnv`. Same batched-torch interface either way.
 
 # %%

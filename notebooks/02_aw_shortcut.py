@@ -25,17 +25,17 @@
 # that maximises $\mathbb E[A]$ while staying close (in KL) to the data's behaviour policy
 # $\pi_\beta$ is $\pi^*(a\mid s) \propto \pi_\beta(a\mid s)\exp(\beta A(s,a))$ (AWR Eq. 7). Fitting
 # it by maximum likelihood on data from $\pi_\beta$ means weighting each sample by
-# $w = \exp(\beta A)$, clipped at $w_\max$ for stability (`flowlib.critic.advantage_weights`). For a flow policy, the "likelihood" is
+# $w = \exp(\beta A)$, clipped at $w_\max$ for stability (`flowlib.policies.critic.advantage_weights`). For a flow policy, the "likelihood" is
 # the ShortCut loss: the whole per-sample loss (flow-matching *and* self-consistency parts) is
-# multiplied by $w$, so both describe the same re-weighted distribution (`flowlib.awsc`).
+# multiplied by $w$, so both describe the same re-weighted distribution (`flowlib.policies.awsc`).
 #
 # **The critic lives on chunks** (a semi-MDP). A chunk of $T_a$ actions from $s_c$ runs
 # $\tau = \min(T_a, T - c)$ steps and gives
 # $$R = \sum_{k<\tau}\gamma^k r_{c+k}, \qquad Q(s_c, a_{c:c+T_a}) \leftarrow R + \gamma^\tau (1 - \text{terminal})\, V(s_{c+\tau}).$$
-# A time-limit truncation is not a termination: it bootstraps (`flowlib.critic.chunk_transitions`).
+# A time-limit truncation is not a termination: it bootstraps (`flowlib.policies.critic.chunk_transitions`).
 #
 # **IQL** (Kostrikov et al. 2022) fits $V$ without ever querying actions outside the data, by
-# *expectile regression* on $Q$ (IQL Eq. 5; `flowlib.critic.expectile_loss`):
+# *expectile regression* on $Q$ (IQL Eq. 5; `flowlib.policies.critic.expectile_loss`):
 # $$L_V = \mathbb E\big[\,|\kappa - \mathbb 1(u<0)|\, u^2\big], \quad u = \min_i Q_{\bar\theta_i}(s,a) - V(s),$$
 # which for $\kappa > 0.5$ approaches the best value among in-data actions; twin $Q$ nets regress on
 # the SMDP target (IQL Eq. 6) with Polyak-averaged copies. The advantage is $A = \min_i Q_{\bar\theta_i} - V$.
@@ -60,10 +60,13 @@ import numpy as np
 import pandas as pd
 import torch
 
-from flowlib import awsc, bc, config, critic as critics, evaluate, fql, runs
-from flowlib.data import ChunkDataset, check_held_out, generate_demos, load_demos
-from flowlib.envs import is_fast, make_env
-from flowlib.tracking import start_run
+from flowlib.policies import awsc, bc, critic as critics
+from flowlib.infra import config, runs
+from flowlib.tools import evaluate
+from flowlib.methods import fql
+from flowlib.envs.data import ChunkDataset, check_held_out, generate_demos, load_demos
+from flowlib.envs.maniskill import is_fast, make_env
+from flowlib.infra.tracking import start_run
 
 # %% tags=["parameters"]
 # Defaults: the small CPU run (minutes), starting from notebook 01's default checkpoint.
@@ -135,8 +138,8 @@ if rollout_path is not None:
 # %% [markdown]
 # ## Data with contrast: demos + stage-1 rollouts
 # **After steering** (`rollout_checkpoint`). Stage 3's steering methods leave the flow's weights as they are: DSRL
-# learns where the chain starts ($x_0$, `flowlib.latent`), the per-step residual a correction of every action
-# (`flowlib.residual_step`). Set `rollout_checkpoint` to such a run's `last.pt` and its deterministic policy
+# learns where the chain starts ($x_0$, `flowlib.methods.latent`), the per-step residual a correction of every action
+# (`flowlib.methods.residual_step`). Set `rollout_checkpoint` to such a run's `last.pt` and its deterministic policy
 # collects the rollouts instead of stage 1's; RFC's `success_only` mask below then reflows the flow on the demos and
 # the steered episodes that succeed, distilling what the steering found into the flow itself, which acts from
 # $x_0 \sim \mathcal N(0, I)$ with no head and no residual net (the RLinf notes pair RFC with DSRL this way). The
@@ -299,7 +302,7 @@ print(f"{len(cfg.train_seeds)} seed(s) x {cfg.train_steps} steps in {train_time:
 # `advantage_topk` the top `rfc_topk` share by $A$. A mask ignores how large an advantage is; AW-ShortCut ignores
 # nothing but shrinks every difference through $\beta$.
 #
-# **FQL offline** (Park, Li & Levine 2025, Eq. 6-7; `flowlib.fql.fql_update`). The flow $\mu_\theta(s, z)$ (its ODE from
+# **FQL offline** (Park, Li & Levine 2025, Eq. 6-7; `flowlib.methods.fql.fql_update`). The flow $\mu_\theta(s, z)$ (its ODE from
 # the noise $z$) stays frozen; a one-step policy $\mu_\omega(s, z)$, an MLP, is distilled from it while being
 # pushed up its own twin $Q$ of chunk decisions, fitted on the same episodes with the sparse reward:
 # $$L_\pi(\omega) = \mathbb E_{s,\, z \sim \mathcal N(0, I)}\Big[-\frac{Q(s, \mu_\omega(s, z))}{\overline{|Q|}}

@@ -23,7 +23,7 @@
 # runs on that. This notebook runs each piece on one batch (a chain, its log-probability, the ratio, GAE, one PPO
 # update), then trains, with a control that must fail.
 #
-# It trains on `FastReach-v0` (`flowlib/fast_envs.py`): a planar reach task stepped as torch tensors, where 512 envs
+# It trains on `FastReach-v0` (`flowlib/envs/fast_envs.py`): a planar reach task stepped as torch tensors, where 512 envs
 # run millions of env steps in about a minute on 2 CPU cores. What runs where:
 #
 # | task, size | params | machine | result |
@@ -46,14 +46,18 @@ import numpy as np
 import pandas as pd
 import torch
 
-from flowlib import bc, config, loop, metrics, runs, stage3, visual
-from flowlib.envs import make_env
-from flowlib.run import start_checkpoint
-from flowlib.tracking import Tracker, start_run
+from flowlib.policies import bc
+from flowlib.infra import config, metrics, runs
+from flowlib.rl import loop
+from flowlib.methods import stage3
+from flowlib.envs import visual
+from flowlib.envs.maniskill import make_env
+from flowlib.tools.run import start_checkpoint
+from flowlib.infra.tracking import Tracker, start_run
 
 # %% tags=["parameters"]
 # Defaults: chain PPO on FastReach-v0 from an MLP stage-1 policy, a minute or two on 2 CPU cores. Every other
-# stage-3 parameter (flowlib.stage3.ChainPPOConfig) can be set too; params/03_reinflow/ holds the larger runs.
+# stage-3 parameter (flowlib.methods.stage3.ChainPPOConfig) can be set too; params/03_reinflow/ holds the larger runs.
 seed: int = 0  # the run's seed (nets, noise, minibatches)
 init_checkpoint: str = "01_shortcut_bc/fast_reach_mlp/best_model.pt"  # stage-1/2 best_model.pt, relative to outputs/; "": 01_shortcut_bc/default
 env_id: str = "FastReach-v0"  # the task (ManiSkill, or a fast torch task such as FastReach-v0); the start checkpoint's
@@ -95,10 +99,10 @@ print(f"run folder: {runs.shown(run_path)}; from {runs.shown(init_path)}; {env.n
 # %% [markdown]
 # ## 1 · The denoising MDP
 # With $K$ steps on the grid $t_k = k/K$, the flow's sampler becomes a Markov chain by adding learned noise at every
-# step (ReinFlow, Eq. 4; `flowlib.flow_sde.sample_chain`):
+# step (ReinFlow, Eq. 4; `flowlib.flows.flow_sde.sample_chain`):
 # $$x_{k+1} = x_k + v_\theta(x_k, t_k \mid o)\,\tfrac1K + \sigma_\theta(t_k, o)\,\epsilon_k,\qquad \epsilon_k\sim\mathcal N(0, I).$$
 # Each transition is Gaussian, so the chain has an **exact** log-likelihood (Eq. 5;
-# `flowlib.reinflow_agent.ReinFlowAgent.log_prob`):
+# `flowlib.methods.reinflow_agent.ReinFlowAgent.log_prob`):
 # $$\log\pi_\theta(x_{0:K}\mid o) = \sum_{k=0}^{K-1}\log\mathcal N\big(x_{k+1};\ x_k + v_\theta(x_k,t_k\mid o)/K,\ \sigma_\theta(t_k,o)^2 I\big).$$
 # $\sigma_\theta$ is a small network squashed into $[\sigma_\min, \sigma_\max]$, and $\sigma_\max$ decays during
 # training. The executed chunk is the first $T_a$ actions of $x_K$. Their other dims at the last step reach nothing,
@@ -134,7 +138,7 @@ print(f"chains {tuple(noisy.shape)} = [B, K+1, H, A]; log-probs of the 16 chains
 # PPO compares the chain's likelihood under the weights being trained with the one it had when it was sampled,
 # $\rho = \exp\big(\log\pi_\theta(x_{0:K}\mid o) - \log\pi_{\theta_\text{old}}(x_{0:K}\mid o)\big)$, inside the clipped
 # surrogate $\mathbb E[\min(\rho A, \operatorname{clip}(\rho, 1\pm\epsilon)A)]$ (Schulman et al. 2017, Eq. 7;
-# `flowlib.ppo.clipped_surrogate`). Sampling and
+# `flowlib.rl.ppo.clipped_surrogate`). Sampling and
 # re-scoring are two code paths; with the same weights on the same time grid they must agree, so $\rho = 1$
 # exactly. Re-scoring on another grid than sampling (a bug of a public implementation) breaks this, and every
 # update checks it (`ppo.ppo_update`).
@@ -152,7 +156,7 @@ print(f"ratio == 1 before any update: {bool((ratio - 1).abs().max() < 1e-4)}")
 # %% [markdown]
 # ## 3 · One rollout, and GAE over chunk decisions
 # A decision runs $T_a$ actions, earning $R_c = \sum_{k<\tau}\gamma^k r_{c+k}$ over the $\tau \le T_a$ steps that ran,
-# so the chunks form a semi-MDP. GAE (Schulman et al. 2016, Eq. 16; `flowlib.ppo.gae`) runs over decisions with the per-decision
+# so the chunks form a semi-MDP. GAE (Schulman et al. 2016, Eq. 16; `flowlib.rl.ppo.gae`) runs over decisions with the per-decision
 # discount $\gamma^\tau$:
 # $$\delta_c = R_c + \gamma^{\tau}(1-\text{term}_c)\,V(s_{c+\tau}) - V(s_c),\qquad A_c = \delta_c + \gamma^{\tau}\lambda\,(1-\text{end}_c)\,A_{c+1}.$$
 # With the sparse reward a success pays 1 and ends the episode (no bootstrap); the time limit bootstraps from $V$.

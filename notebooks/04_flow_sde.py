@@ -20,7 +20,7 @@
 # PPO needs $\log\pi(a\mid o)$. A flow policy's action comes out of a deterministic ODE, so piRL
 # (Chen et al. 2025) turns the $K$-step sampler into a chain of Gaussian transitions
 # $p(x_{k+1}\mid x_k, o) = \mathcal N(\mu_k, \Sigma_k)$ whose product is an exact likelihood. The methods
-# differ only in $\mu_k$ and $\Sigma_k$ (`flowlib.flow_sde.transition`); everything else (chunks as a
+# differ only in $\mu_k$ and $\Sigma_k$ (`flowlib.flows.flow_sde.transition`); everything else (chunks as a
 # semi-MDP, PPO) is notebook 03's machinery.
 #
 # **Clock.** flowlib's convention: $t=0$ is noise, $t=1$ data, $x_t=(1-t)x_0+t\,x_1$, $x_0\sim\mathcal N(0,I)$,
@@ -30,7 +30,7 @@
 # **Score from velocity.** Since $x_t = x_0 + t(x_1-x_0)$, $\ \mathbb E[x_0\mid x_t=x] = x - t\,v(x,t)$, and
 # Tweedie's formula for the Gaussian part $(1-t)x_0$ gives
 # $$\nabla_x\log p_t(x) = -\frac{\mathbb E[x_0\mid x_t=x]}{1-t} = -\frac{x - t\,v(x,t)}{1-t}.$$
-# (`flowlib.flow_sde.score_from_velocity`)
+# (`flowlib.flows.flow_sde.score_from_velocity`)
 #
 # **SDEs with the ODE's marginals.** The probability-flow ODE $dx = v\,dt$ and, for any $\sigma_t$,
 # $$dx = \Big[v + \tfrac{\sigma_t^2}{2}\nabla\log p_t\Big]dt + \sigma_t\,dW
@@ -39,7 +39,7 @@
 # diffusion's $\tfrac{\sigma^2}{2}\Delta p$ (piRL Eq. 8 in our clock). piRL picks $\sigma_t = a\sqrt{t/(1-t)}$ in
 # its clock (Eq. 9), i.e. $\sigma_t = a\sqrt{(1-t)/t}$ in ours: large near the noise, zero at the data.
 # It is infinite at $t=0$; RLinf's guard, used here, puts $t=\Delta t$ in the denominator of the first step.
-# One Euler-Maruyama step is Gaussian (`flowlib.flow_sde.transition`, scored by `flowlib.flow_sde.gaussian_log_prob`):
+# One Euler-Maruyama step is Gaussian (`flowlib.flows.flow_sde.transition`, scored by `flowlib.flows.flow_sde.gaussian_log_prob`):
 # $$\mu_k = x_k + \Big[v - \frac{\sigma_{t_k}^2}{2(1-t_k)}(x_k - t_k v)\Big]\Delta t,\qquad
 #   \Sigma_k = \sigma_{t_k}^2\,\Delta t\; I .$$
 # At $a=0$ it is the ODE step.
@@ -65,7 +65,7 @@
 # advantage and its own clipped ratio $\rho_k$, and the loss averages over them (`ratio_mode="per_step"`).
 # With one stochastic step (hybrid) the two coincide.
 #
-# **PPO toolkit** (`flowlib.ppo`): GAE / Monte-Carlo / $n$-step / GRPO advantages (GRPO groups = envs reset
+# **PPO toolkit** (`flowlib.rl.ppo`): GAE / Monte-Carlo / $n$-step / GRPO advantages (GRPO groups = envs reset
 # from the same seed, one episode each), dual-clip PPO, clipped Huber value loss, and a critic either on the
 # observation (`critic_input="obs"`, piRL's $V_\text{vlm}$ analogue) or on the velocity net's features averaged
 # along the deterministic chain (`"velocity_features"`, the $V_\text{expert}$ analogue, optionally detached).
@@ -76,9 +76,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-from flowlib import config, flow_sde, pirl, runs, toy2d
-from flowlib.envs import make_env
-from flowlib.tracking import start_run
+from flowlib.infra import config, runs
+from flowlib.flows import flow_sde, toy2d
+from flowlib.tools import pirl
+from flowlib.envs.maniskill import make_env
+from flowlib.infra.tracking import start_run
 
 # %% tags=["parameters"]
 # Defaults: the small CPU run (a few minutes). params/04_flow_sde/cpu.yaml is the reported comparison.

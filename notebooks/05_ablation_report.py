@@ -36,8 +36,9 @@
 import matplotlib.pyplot as plt
 import numpy as np
 
-from flowlib import config, runs, sweep
-from flowlib.runs import REPO_ROOT, outputs_root
+from flowlib.infra import config, runs
+from flowlib.tools import sweep
+from flowlib.infra.runs import REPO_ROOT, outputs_root
 
 # %% tags=["parameters"]
 sweep_dir: str = ""  # relative to outputs/ (e.g. 03_reinflow/ablations); "" runs the smoke sweep

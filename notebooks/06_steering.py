@@ -21,16 +21,16 @@
 # never beat its start on PickCube: a chain-PPO update needs 15k-28k decisions before its direction is half signal
 # ([docs/stage3.md](../docs/stage3.md#why-a-cpu-sized-policy-gradient-is-almost-all-noise)). The methods here keep
 # the stage-1 flow **frozen** and learn something small around it: where its chain starts, or a bounded correction of
-# the actions it proposes. Each is one entry of `flowlib.stage3.METHODS`, a `(steer, learner)` pair, trained by the
-# same loop (`flowlib.loop.train`) as chain ReinFlow; the table below is printed from the registry.
+# the actions it proposes. Each is one entry of `flowlib.methods.stage3.METHODS`, a `(steer, learner)` pair, trained by the
+# same loop (`flowlib.rl.loop.train`) as chain ReinFlow; the table below is printed from the registry.
 #
-# **Steering $x_0$ instead** (`steer = "latent"`, `flowlib.latent.LatentSteeringAgent`, DSRL's idea). The flow stays frozen and PPO
+# **Steering $x_0$ instead** (`steer = "latent"`, `flowlib.methods.latent.LatentSteeringAgent`, DSRL's idea). The flow stays frozen and PPO
 # moves a Gaussian policy over the chain's start, $x_0 \sim \mathcal{N}(\mu_\phi(o), \sigma^2 I)$ with
 # $|\mu| \le b$; the chain is the ODE. The log-prob has $H \times A$ dims of std $\sim 1$ instead of
 # $K \times H \times A$ of std $\sim 0.1$, and re-scoring is one MLP call. At the start ($\mu = 0$) the noisy
 # policy is the stage-1 policy; the deterministic one starts the chain at $x_0 = \mu$.
 #
-# **Learning it off-policy** (`learner = "sac"`, `flowlib.latent_sac`, DSRL's learner). With the flow frozen,
+# **Learning it off-policy** (`learner = "sac"`, `flowlib.methods.latent_sac`, DSRL's learner). With the flow frozen,
 # $w = x_0$ is an action whose dynamics are fixed, so every decision so far can train a twin critic
 # $Q_j(o, w)$ on the SMDP target $y = R + \gamma^\tau (1 - \text{term}) \min_j \bar Q_j(o', w')$,
 # $w' \sim \pi(\cdot \mid o')$, from a replay buffer. The actor minimises
@@ -38,7 +38,7 @@
 # the stage-1 policy's own latent keeps $x_0$ where the flow and the critic have seen data, and $\alpha$ moves so
 # that the KL per dim stays at `sac_target_kl`. `critic_warmup_steps` fits $Q$ alone on the stage-1 policy's data.
 #
-# **Correcting the executed actions** (`steer = "residual"`, `flowlib.residual`; residual RL, as ResiP and Policy
+# **Correcting the executed actions** (`steer = "residual"`, `flowlib.methods.residual`; residual RL, as ResiP and Policy
 # Decorator do with diffusion policies). The flow, from its own $x_0 \sim \mathcal{N}(0, I)$, proposes the chunk
 # whose executed part is $a_b$; PPO moves a Gaussian correction $r \sim \mathcal{N}(\mu_\phi(o, a_b), \sigma^2 I)$,
 # $|\mu| \le b$, and $a = a_b + r$ runs. The log-prob has the $T_a \times A$ dims of $r$ only ($x_0$ does not
@@ -46,12 +46,12 @@
 # policy; $\sigma$ must stay small: at $\sigma \approx 0.19$ (5-7 mm per step) the stage-1 policy plus the noise
 # alone succeeded in 0.06-0.2 of its training episodes, at 0.05 in about half, as without it.
 #
-# **Correcting every step, closed loop** (`steer = "residual_step"`, `learner = "td3"`, `flowlib.residual_step`;
+# **Correcting every step, closed loop** (`steer = "residual_step"`, `learner = "td3"`, `flowlib.methods.residual_step`;
 # Residual Policy Learning, Silver et al. 2018). The flow still re-plans every $T_a$ steps and its chunk runs open
 # loop; at every env step a residual actor $r_t = \mu_\phi(o_t, a_b)$, $|r_t| \le b$, corrects the base action due now
 # from the *current* observation, and $a_t = a_b + r_t$ runs. Each env step is one transition of an ordinary MDP with
 # state $s_t = (o_t, a_b)$, learned off-policy by TD3 (Fujimoto et al. 2018;
-# `flowlib.residual_td3.td3_update`): twin critics on
+# `flowlib.methods.residual_td3.td3_update`): twin critics on
 # $y = R_t + \gamma (1 - \text{term}) \min_j \bar Q_j(s', \mathrm{clip}(\bar\mu(s') + \epsilon))$ and the deterministic
 # policy gradient $\nabla_\phi Q_1(s, \mu_\phi(s))$ every second critic step ($R_t$ is the step's reward, not the
 # residual). With `td3_n_step` $= n > 1$ the target sums $n$ rewards before it bootstraps,
@@ -83,7 +83,7 @@
 # PPO's converged 1M checkpoint its gradient needs 25.8k: a 256-decision step is mostly noise for both. TD3 also
 # takes 8x as many steps per env step from its replay (docs/stage3.md, "The same residual, learned by PPO").
 #
-# **The comparison's other rows** (`flowlib.rfc`, `flowlib.fql`, `flowlib.gaussian`). Three more registry entries ask
+# **The comparison's other rows** (`flowlib.methods.rfc`, `flowlib.methods.fql`, `flowlib.methods.gaussian`). Three more registry entries ask
 # what the flow and its fine-tuning buy. RFC (`steer = "chain"`, `learner = "rfc"`) rolls out the noisy chain as
 # ReinFlow does, keeps the decisions a mask picks (`rfc_mask`: the episode succeeded, $A > 0$, or the top share by
 # $A$), and trains the flow on their chunks with stage 1's ShortCut loss: no ratio, no likelihood. Where a mask keeps
@@ -105,9 +105,13 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from flowlib import bc, bench, config, metrics, runs, stage3, visual
-from flowlib.envs import make_env
-from flowlib.tracking import start_run
+from flowlib.policies import bc
+from flowlib.tools import bench
+from flowlib.infra import config, metrics, runs
+from flowlib.methods import stage3
+from flowlib.envs import visual
+from flowlib.envs.maniskill import make_env
+from flowlib.infra.tracking import start_run
 
 # %% tags=["parameters"]
 # Defaults: TD3 on a per-step residual, a few iterations; params/06_steering/cpu.yaml is the ~1 h target run.
@@ -176,7 +180,7 @@ print(f"before fine-tuning: success_once {before['success_once']:.2f}, success_a
 
 # %% [markdown]
 # ## Fine-tuning
-# The loop of `flowlib.loop.train` with this method's learner: collect, update (the critic alone in the warm-up),
+# The loop of `flowlib.rl.loop.train` with this method's learner: collect, update (the critic alone in the warm-up),
 # validate, checkpoint. A killed run resumes from `last.pt`, replay buffer included.
 
 # %%

@@ -15,7 +15,9 @@ import functools
 import pytest
 import torch
 
-from flowlib import bc, data, envs, metaworld_envs, run, sweep
+from flowlib.policies import bc
+from flowlib.envs import data, maniskill as envs, metaworld_envs
+from flowlib.tools import run, sweep
 
 # One torch thread: tests share 2 cores with ManiSkill workers and nbval kernels, and two threads
 # under contention made small steps 25x slower on the CI machine.

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from flowlib import bc
-from flowlib.data import ChunkDataset, Episode
-from flowlib.envs import EnvSpec, check_env_id, make_env
-from flowlib.tasks import PICKCUBE_GRASPED, PICKCUBE_OBJ_TO_GOAL, PICKCUBE_TCP_TO_OBJ
-from flowlib.unet import ShortCutVelocityUNet1D
+from flowlib.policies import bc
+from flowlib.envs.data import ChunkDataset, Episode
+from flowlib.envs.maniskill import EnvSpec, check_env_id, make_env
+from flowlib.envs.tasks import PICKCUBE_GRASPED, PICKCUBE_OBJ_TO_GOAL, PICKCUBE_TCP_TO_OBJ
+from flowlib.flows.unet import ShortCutVelocityUNet1D
 
 OBS_DIM, ACT_DIM = 42, 4  # PickCube-v1, state obs, pd_ee_delta_pos
 
@@ -249,7 +249,7 @@ def test_physx_gpu_library_out_of_reach_is_a_clear_error(monkeypatch):
     import requests
     import sapien.physx
 
-    from flowlib import envs
+    from flowlib.envs import maniskill as envs
 
     def offline():
         raise requests.exceptions.ConnectionError("Could not resolve host: github.com")
@@ -417,7 +417,7 @@ def test_an_episode_does_not_depend_on_how_episodes_are_batched(tmp_path):
 
 
 def test_the_mlp_velocity_net_maps_chunks_to_chunks_and_refuses_other_shapes():
-    from flowlib.unet import ChunkVelocityMLP
+    from flowlib.flows.unet import ChunkVelocityMLP
 
     net = ChunkVelocityMLP(ACT_DIM, OBS_DIM, 2, 16, hidden=(32, 24), emb_dim=8)
     x, t, obs = torch.randn(5, 16, ACT_DIM), torch.rand(5), torch.randn(5, 2, OBS_DIM)

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowlib import bc, stage3
-from flowlib.awsc import load_from_aw_shortcut_flow
+from flowlib.policies import bc
+from flowlib.methods import stage3
+from flowlib.policies.awsc import load_from_aw_shortcut_flow
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints"
 STAGE3_KINDS = ("chain_ppo", "latent_ppo", "latent_sac", "residual_ppo", "residual_step_td3", "residual_step_ppo",
@@ -61,7 +62,7 @@ def test_stage3_checkpoint_loads_and_computes_what_it_did(kind, expected):
             stored = rec["chain"]
             if chain.shape[1] == 2 and stored.shape[1] > 2:
                 # a steer of the frozen flow, written when it stored its decision as a whole chain: its draw was
-                # step 0 and its chunk step K, the two rows of its decision now (flowlib.steering)
+                # step 0 and its chunk step K, the two rows of its decision now (flowlib.methods.steering)
                 stored = stored[:, [0, -1]]
             assert close(chain, stored) and close(lp, rec["sample_log_prob"])
             assert close(agent.log_prob(windows, stored)[0], rec["log_prob"])
@@ -83,8 +84,8 @@ def test_a_stage3_checkpoint_is_refused_as_a_policy():
 
 
 def test_a_chain_agent_runs_at_another_number_of_steps_and_a_steer_is_refused_in_one_line():
-    """flowlib.evaluate --steps: the fine-tuned chain at K steps of size 1/K; the agent's own K reproduces its act."""
-    from flowlib import evaluate
+    """flowlib.tools.evaluate --steps: the fine-tuned chain at K steps of size 1/K; the agent's own K reproduces its act."""
+    from flowlib.tools import evaluate
     agent = stage3.load_agent(FIXTURES / "chain_ppo.pt")
     window = torch.randn(3, agent.obs_horizon, agent.obs_dim)
     own = agent.act(window, generator=torch.Generator().manual_seed(0))

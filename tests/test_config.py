@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from flowlib.config import ConfigError, from_globals, from_yaml, parse_yaml, validate
-from flowlib.run import NOTEBOOK_CONFIGS, config_class, main, resolve_parameters
-from flowlib.bc import ShortCutBCConfig
-from flowlib.stage3 import Stage3Config, checkpoint_config
-from flowlib.runs import REPO_ROOT
-from flowlib.toy2d import Flows2DConfig
+from flowlib.infra.config import ConfigError, from_globals, from_yaml, parse_yaml, validate
+from flowlib.tools.run import NOTEBOOK_CONFIGS, config_class, main, resolve_parameters
+from flowlib.policies.bc import ShortCutBCConfig
+from flowlib.methods.stage3 import Stage3Config, checkpoint_config
+from flowlib.infra.runs import REPO_ROOT
+from flowlib.flows.toy2d import Flows2DConfig
 
 
 def test_unknown_key_names_the_key_the_suggestion_and_the_allowed_ones():
@@ -71,15 +71,15 @@ PARAM_FILES = sorted((REPO_ROOT / "params").glob("*/**/*.yaml"))
 @pytest.mark.parametrize("path", PARAM_FILES, ids=[str(p.relative_to(REPO_ROOT)) for p in PARAM_FILES])
 def test_every_params_file_validates_against_its_notebook(path: Path):
     notebook = path.relative_to(REPO_ROOT / "params").parts[0]
-    assert notebook in NOTEBOOK_CONFIGS, f"params/{notebook}/ has no notebook config registered in flowlib.run"
+    assert notebook in NOTEBOOK_CONFIGS, f"params/{notebook}/ has no notebook config registered in flowlib.tools.run"
     from_yaml(config_class(notebook), path)
 
 
 @pytest.mark.parametrize("path", PARAM_FILES, ids=[str(p.relative_to(REPO_ROOT)) for p in PARAM_FILES])
 def test_every_params_file_names_its_own_run_folder(path: Path):
     """So `papermill ... -f params/<nb>/<file>.yaml` (no wrapper) never writes into the default run's folder."""
-    from flowlib.config import load_yaml
-    from flowlib.run import params_run_name
+    from flowlib.infra.config import load_yaml
+    from flowlib.tools.run import params_run_name
 
     assert load_yaml(path).get("run_name") == params_run_name(path) != "default", \
         f"{path}: add `run_name: {params_run_name(path)}`"
@@ -276,9 +276,9 @@ def test_a_list_that_arrives_as_text_says_how_to_pass_a_list():
 
 def test_the_chain_ppo_tutorial_may_start_without_its_start_checkpoint_which_it_makes(tmp_path, monkeypatch):
     """Notebook 03's default start is written by a params file of notebook 01, which the notebook runs when the
-    checkpoint is missing (flowlib.run.ensure_checkpoint); a start no params file writes still stops the run."""
-    from flowlib.run import ensure_checkpoint, preflight
-    from flowlib.runs import checkpoint_location, run_that_writes
+    checkpoint is missing (flowlib.tools.run.ensure_checkpoint); a start no params file writes still stops the run."""
+    from flowlib.tools.run import ensure_checkpoint, preflight
+    from flowlib.infra.runs import checkpoint_location, run_that_writes
 
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path))
     assert preflight("03_reinflow", resolve_parameters("03_reinflow")) == ""

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from flowlib import awsc, bc, critic as critics
-from flowlib.data import ChunkDataset, Episode, load_demos, save_episodes
-from flowlib.flows import ShortCut
-from flowlib.nets import ConditionalMLP
+from flowlib.policies import awsc, bc, critic as critics
+from flowlib.envs.data import ChunkDataset, Episode, load_demos, save_episodes
+from flowlib.flows.models import ShortCut
+from flowlib.flows.nets import ConditionalMLP
 
 OBS_DIM, ACT_DIM = 3, 2
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from flowlib.data import ChunkDataset, Episode, Normalizer, check_held_out, load_demos
-from flowlib.tasks import PICKCUBE_GRASPED, PICKCUBE_OBS_DIM
+from flowlib.envs.data import ChunkDataset, Episode, Normalizer, check_held_out, load_demos
+from flowlib.envs.tasks import PICKCUBE_GRASPED, PICKCUBE_OBS_DIM
 
 
 def episode(T: int, obs_dim: int = 3, action_dim: int = 4, offset: float = 0.0) -> Episode:

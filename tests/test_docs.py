@@ -8,7 +8,7 @@ import pytest
 from markdown_it import MarkdownIt
 from mdit_py_plugins.anchors import anchors_plugin
 
-from flowlib.runs import REPO_ROOT
+from flowlib.infra.runs import REPO_ROOT
 
 DOCS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").rglob("*.md"))]
 README_MAX_BYTES = 10_240  # the front door: what it is, quick start, results at a glance; the rest lives in docs/

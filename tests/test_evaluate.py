@@ -5,12 +5,13 @@ import pytest
 import torch
 from test_bc import random_episodes, tiny_cfg
 
-from flowlib import bc, evaluate
-from flowlib.data import ChunkDataset
+from flowlib.policies import bc
+from flowlib.tools import evaluate
+from flowlib.envs.data import ChunkDataset
 
 
 def record_make_env(monkeypatch) -> list[dict]:
-    """The keyword arguments of every env ``flowlib.evaluate`` makes, in a list filled as they are made."""
+    """The keyword arguments of every env ``flowlib.tools.evaluate`` makes, in a list filled as they are made."""
     made, make_env = [], evaluate.make_env
     monkeypatch.setattr(evaluate, "make_env", lambda *a, **kw: made.append(kw) or make_env(*a, **kw))
     return made

@@ -3,10 +3,10 @@ demonstrators' imperfection, demos through the stage-1 data path, and the runner
 import pytest
 import torch
 
-from flowlib.data import generate_demos, load_demos
-from flowlib.envs import control_mode, make_env
-from flowlib.fast_envs import MAX_STEP, FastPush, FastReach, demonstrate
-from flowlib.smdp import ChunkRunner
+from flowlib.envs.data import generate_demos, load_demos
+from flowlib.envs.maniskill import control_mode, make_env
+from flowlib.envs.fast_envs import MAX_STEP, FastPush, FastReach, demonstrate
+from flowlib.envs.smdp import ChunkRunner
 
 
 def placed(env, **state):

@@ -2,7 +2,7 @@
 cloned policy by a margin many standard errors wide, and the same run on flipped advantages makes it worse.
 
 The whole pipeline at small size: scripted demos, ShortCut BC with an MLP velocity net, then stage 3 through
-``flowlib.stage3`` (``params/03_reinflow/fast_reach.yaml``'s batch of 2,560 decisions, ``fast_reach_mlp.yaml``'s learning rate), each policy scored on the
+``flowlib.methods.stage3`` (``params/03_reinflow/fast_reach.yaml``'s batch of 2,560 decisions, ``fast_reach_mlp.yaml``'s learning rate), each policy scored on the
 same held-out episodes."""
 import dataclasses
 
@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from flowlib import bc, stage3
-from flowlib.data import ChunkDataset, generate_demos, load_demos
-from flowlib.envs import make_env
+from flowlib.policies import bc
+from flowlib.methods import stage3
+from flowlib.envs.data import ChunkDataset, generate_demos, load_demos
+from flowlib.envs.maniskill import make_env
 
 EPISODES = 512
 
@@ -67,8 +68,8 @@ def tiny_chain_config(iterations: int, **kw) -> stage3.Stage3Config:
 def test_bc_coeff_pulls_to_the_start_checkpoint_and_logs_the_w2_distance(tmp_path, monkeypatch):
     """``bc_coeff``: the learner reads the start again from ``init_checkpoint`` (the pull is to the stage-1 policy,
     also after a resume), its distance is 0 there, and every trained iteration logs ``bc_loss``."""
-    from flowlib.runs import read_metrics
-    from flowlib.tracking import Tracker
+    from flowlib.infra.runs import read_metrics
+    from flowlib.infra.tracking import Tracker
     tiny_start(tmp_path, monkeypatch)
     cfg = tiny_chain_config(3, bc_coeff=1.0, actor_lr=1e-2)
     run = tmp_path / "03_reinflow" / "bc"
@@ -89,8 +90,8 @@ def test_bc_coeff_pulls_to_the_start_checkpoint_and_logs_the_w2_distance(tmp_pat
 def test_the_gaussian_baseline_clones_the_start_checkpoints_demos_then_trains_by_ppo(tmp_path, monkeypatch):
     """Steer ``gaussian``: ``build_agent`` clones the mean on the demos the start checkpoint names (its error on them
     falls well below the untrained net's), and a two-iteration PPO run on the real env writes its rows."""
-    from flowlib.runs import read_metrics
-    from flowlib.tracking import Tracker
+    from flowlib.infra.runs import read_metrics
+    from flowlib.infra.tracking import Tracker
     tiny_start(tmp_path, monkeypatch)
     dataset = ChunkDataset(load_demos(generate_demos("FastReach-v0", 20)), 2, 16)
     errors = {}
@@ -114,8 +115,8 @@ def test_the_gaussian_baseline_clones_the_start_checkpoints_demos_then_trains_by
 def test_rfc_reflows_the_velocity_net_on_the_kept_decisions_of_a_real_rollout(tmp_path, monkeypatch, mask):
     """Learner ``rfc``: two iterations on FastReach log the kept share and the reflow loss; the velocity net moves,
     the noise net (no loss of its own here) does not."""
-    from flowlib.runs import read_metrics
-    from flowlib.tracking import Tracker
+    from flowlib.infra.runs import read_metrics
+    from flowlib.infra.tracking import Tracker
     tiny_start(tmp_path, monkeypatch)
     cfg = tiny_chain_config(2, learner="rfc", rfc_mask=mask, rfc_topk=0.3, reward="sparse", actor_lr=1e-3)
     run = tmp_path / "03_reinflow" / f"rfc_{mask}"
@@ -143,7 +144,7 @@ def test_rfc_remembers_the_newest_kept_decisions_waits_for_enough_and_mixes_in_t
     and the remembered decisions travel with the learner's state (a resumed run has them)."""
     from types import SimpleNamespace
 
-    from flowlib import loop
+    from flowlib.rl import loop
     tiny_start(tmp_path, monkeypatch)
     cfg = tiny_chain_config(1, learner="rfc", rfc_mask="advantage_positive", reward="sparse", rfc_buffer=5,
                             rfc_min_kept=10**6, rfc_demo_fraction=0.5, actor_lr=1e-3)
@@ -198,8 +199,8 @@ def test_fql_trains_offline_on_the_start_checkpoints_demos_then_online_from_a_re
                                                                                                        monkeypatch):
     """Steer ``one_step`` / learner ``fql``: ``build_agent`` runs the offline phase once (marked in the weights), the
     online replay starts with the demo decisions, and two online iterations write their rows and a checkpoint."""
-    from flowlib.runs import read_metrics
-    from flowlib.tracking import Tracker
+    from flowlib.infra.runs import read_metrics
+    from flowlib.infra.tracking import Tracker
     tiny_start(tmp_path, monkeypatch)
     cfg = stage3.Stage3Config(
         init_checkpoint="01_shortcut_bc/tiny/best_model.pt", env_id="FastReach-v0", num_envs=16,
@@ -225,8 +226,8 @@ def test_fql_trains_offline_on_the_start_checkpoints_demos_then_online_from_a_re
 def test_reward_scaling_logs_its_scale_and_a_resumed_run_goes_on_from_the_saved_statistics(tmp_path, monkeypatch):
     """``reward_scaling``: each iteration's row has ``reward_scale``, ``last.pt`` holds the running statistics, and a
     run resumed from it continues them (its count grows from the saved one, not from the prior)."""
-    from flowlib.runs import read_metrics
-    from flowlib.tracking import Tracker
+    from flowlib.infra.runs import read_metrics
+    from flowlib.infra.tracking import Tracker
     tiny_start(tmp_path, monkeypatch)
     run = tmp_path / "03_reinflow" / "scaled"
     counts = []
@@ -246,9 +247,10 @@ def test_stage2_rollouts_come_from_a_steering_checkpoint_and_a_foreign_one_is_re
     """``rollout_checkpoint`` (RFC after steering): a DSRL run's ``last.pt`` collects stage 2's rollouts; each
     recorded chunk is the steered policy's deterministic one on the recorded observations (not stage 1's), and the
     cache keeps them apart from stage 1's.  A missing file, a foreign one and a policy of another task are refused
-    by ``flowlib.run``'s preflight with the parameter named; a policy of other dims by the notebook's check."""
-    from flowlib import awsc, evaluate, run
-    from flowlib.tracking import Tracker
+    by ``flowlib.tools.run``'s preflight with the parameter named; a policy of other dims by the notebook's check."""
+    from flowlib.policies import awsc
+    from flowlib.tools import evaluate, run
+    from flowlib.infra.tracking import Tracker
     tiny_start(tmp_path, monkeypatch)
     cfg = tiny_chain_config(2, steer="latent", actor_lr=1e-2, max_noise_std=1.0, final_noise_std=1.0)
     steering = tmp_path / "06_steering" / "dsrl"

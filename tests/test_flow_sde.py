@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
-from flowlib import flow_sde, reinflow_agent, stage3
-from flowlib.metrics import sliced_wasserstein
-from flowlib.toy2d import eight_gaussian_means, mixture_velocity
+from flowlib.flows import flow_sde
+from flowlib.methods import reinflow_agent, stage3
+from flowlib.infra.metrics import sliced_wasserstein
+from flowlib.flows.toy2d import eight_gaussian_means, mixture_velocity
 
 from test_reinflow import ACT_DIM, tiny_policy
 
@@ -123,8 +124,8 @@ def test_sde_samples_match_the_ode_marginals_while_paths_differ():
 
 
 def test_study_config_rejects_unknown_methods_and_finetune_keys():
-    from flowlib import pirl
-    from flowlib.config import ConfigError
+    from flowlib.tools import pirl
+    from flowlib.infra.config import ConfigError
 
     with pytest.raises(ValueError, match="unknown methods"):
         pirl.FlowSDEConfig(methods=["flow_ddim"])
@@ -140,7 +141,7 @@ def test_study_config_rejects_unknown_methods_and_finetune_keys():
 
 def test_marginal_table_flags_a_wrong_score():
     """The check can fail: an SDE whose drift uses the wrong score (sign flipped) leaves the ODE's marginals."""
-    from flowlib import pirl
+    from flowlib.tools import pirl
 
     means = eight_gaussian_means()
     exact = lambda x, t: mixture_velocity(x, t, means, 0.15)

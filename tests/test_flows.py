@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from flowlib.flows import MeanFlow, ReFlow, ShortCut, interpolate, time_grid
-from flowlib.nets import ConditionalMLP
-from flowlib.toy2d import sample_target
+from flowlib.flows.models import MeanFlow, ReFlow, ShortCut, interpolate, time_grid
+from flowlib.flows.nets import ConditionalMLP
+from flowlib.flows.toy2d import sample_target
 
 
 @pytest.fixture(autouse=True)
@@ -231,7 +231,7 @@ def test_net_rejects_missing_or_unexpected_observation():
 
 
 def test_a_diverging_2d_fit_stops_with_the_step_and_the_fix():
-    from flowlib.toy2d import Flows2DConfig, build_model, train_2d
+    from flowlib.flows.toy2d import Flows2DConfig, build_model, train_2d
     cfg = Flows2DConfig(train_steps=50, lr=1e30, hidden=16, depth=2)
     with pytest.raises(FloatingPointError, match=r"two_moons ReFlow loss is (nan|inf) at step \d+: lower lr"):
         train_2d(build_model("reflow", cfg), "two_moons", cfg)

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from flowlib import stage3
-from flowlib.data import Episode
-from flowlib.fql import FQLAgent, FQLSettings, demo_decisions, fql_update, train_offline
+from flowlib.methods import stage3
+from flowlib.envs.data import Episode
+from flowlib.methods.fql import FQLAgent, FQLSettings, demo_decisions, fql_update, train_offline
 
 from test_reinflow import ACT_DIM, OBS_DIM, tiny_policy
 

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from flowlib import ppo, stage3
-from flowlib.gaussian import GaussianChunkAgent
+from flowlib.rl import ppo
+from flowlib.methods import stage3
+from flowlib.methods.gaussian import GaussianChunkAgent
 
 from test_reinflow import tiny_policy
 

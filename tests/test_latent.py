@@ -1,10 +1,11 @@
-"""Steering x_0 (flowlib.latent): the latent policy's log-prob, the chain it starts, the stage-1 policy at the
+"""Steering x_0 (flowlib.methods.latent): the latent policy's log-prob, the chain it starts, the stage-1 policy at the
 start, PPO moving only the latent policy, and what the config refuses."""
 import pytest
 import torch
 
-from flowlib import ppo, stage3
-from flowlib.latent import LatentSteeringAgent
+from flowlib.rl import ppo
+from flowlib.methods import stage3
+from flowlib.methods.latent import LatentSteeringAgent
 from test_reinflow import ACT_DIM, fake_batch, tiny_policy
 
 
@@ -107,7 +108,7 @@ def test_steering_x0_moves_the_commanded_displacement_within_the_bound():
 
 @pytest.mark.sim
 def test_the_steering_benchmark_stops_with_a_clear_message_when_the_policy_never_grasps(tmp_path, monkeypatch):
-    from flowlib import bc
+    from flowlib.policies import bc
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "outputs"))
     policy, _ = tiny_policy()
     path = tmp_path / "stage1.pt"

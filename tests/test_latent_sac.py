@@ -1,4 +1,4 @@
-"""DSRL-SAC over x_0 (flowlib.latent_sac): the replay ring, the SMDP target of the twin critics, the actor moving
+"""DSRL-SAC over x_0 (flowlib.methods.latent_sac): the replay ring, the SMDP target of the twin critics, the actor moving
 toward the latents that paid with the flow untouched, the closed-form KL to N(0, I), the temperature following its
 KL target, and a real PickCube run that resumes with its replay buffer."""
 import math
@@ -6,11 +6,12 @@ import math
 import pytest
 import torch
 
-from flowlib import bc, stage3
-from flowlib.envs import make_env
-from flowlib.buffers import ReplayBuffer
-from flowlib.latent_sac import LatentSACAgent, optimizers, prior_kl, sac_update
-from flowlib.tracking import Tracker
+from flowlib.policies import bc
+from flowlib.methods import stage3
+from flowlib.envs.maniskill import make_env
+from flowlib.rl.buffers import ReplayBuffer
+from flowlib.methods.latent_sac import LatentSACAgent, optimizers, prior_kl, sac_update
+from flowlib.infra.tracking import Tracker
 from test_reinflow import ACT_DIM, OBS_DIM, tiny_policy
 
 SAC = {"steer": "latent", "learner": "sac", "max_noise_std": 1.0, "final_noise_std": 1.0, "min_noise_std": 0.05,

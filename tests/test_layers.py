@@ -1,72 +1,90 @@
-"""flowlib's imports go one way: each module imports only from its own layer or the layers below it, with no
-cycle, counting imports inside functions too; benchmarks and notebooks use flowlib's public names only.
-docs/architecture.md draws these layers."""
+"""flowlib's folders are its layers, and its imports go one way: a module imports only from its own folder or the
+folders below it, with no cycle, counting imports inside functions too; benchmarks and notebooks use flowlib's public
+names only. docs/architecture.md draws these layers."""
 import ast
 import re
 from pathlib import Path
 
 import pytest
 
+from flowlib import _moved
+
 REPO = Path(__file__).resolve().parents[1]
 FLOWLIB = REPO / "flowlib"
 
-# bottom to top; a module may import from its own layer and the ones before it
-LAYERS = {
-    "core": {"grad_signal", "config", "runs", "progress", "guards", "metrics", "schedules", "nets", "flows", "unet", "flow_sde",
-             "toy2d", "tracking", "sysdeps"},
-    "world": {"tasks", "fast_envs", "vector", "metaworld_envs", "visual", "envs", "data", "visual_demos", "smdp"},
-    "policy": {"encoders", "chunk_policy", "policy_eval", "bc", "critic", "awsc"},
-    "rl core": {"ppo", "buffers", "loop", "learners", "asymmetric"},
-    "methods": {"reinflow_agent", "reinflow", "steering", "latent", "latent_sac", "residual", "residual_step", "residual_td3",
-                "gaussian", "rfc", "fql"},
-    "registry": {"stage3"},
-    "tools": {"bench", "export", "evaluate", "pirl", "seeds", "sweep", "run", "results", "__init__"},
-}
-RANK = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
-NAMES = list(LAYERS)
+FOLDERS = ["infra", "flows", "envs", "policies", "rl", "methods", "tools"]  # bottom to top
+RANK = {"": -1, **{folder: rank for rank, folder in enumerate(FOLDERS)}}  # "": flowlib/__init__.py and _moved.py
 
 
-def flowlib_imports(path: Path) -> set[str]:
-    """The flowlib modules ``path`` imports, at any depth of its code."""
+def module_name(path: Path, root: Path = REPO) -> str:
+    """``flowlib/policies/bc.py`` -> ``flowlib.policies.bc``; a package's ``__init__.py`` -> the package."""
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(FLOWLIB.rglob("*.py"))}
+
+
+def folder(module: str) -> str:
+    """The layer folder of a module's dotted name ("" for the package root)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in FOLDERS) else ""
+
+
+def flowlib_imports(path: Path, known: set[str], root: Path = REPO) -> set[str]:
+    """The flowlib modules ``path`` imports, at any depth of its code (``from flowlib.x import y`` counts ``y``
+    when ``flowlib.x.y`` is a module, else ``flowlib.x``; relative imports resolved)."""
+    here = module_name(path, root).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            if node.level == 1 and node.module:  # from .x import y
-                out.add(node.module.split(".")[0])
-            elif node.level == 1:  # from . import x, y
-                out |= {a.name for a in node.names}
-            elif node.module and node.module.startswith("flowlib"):
-                parts = node.module.split(".")
-                out |= {parts[1]} if len(parts) > 1 else {a.name for a in node.names}
+            base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
+            source = ".".join(p for p in (base, node.module or "") if p)
+            if not source.startswith("flowlib"):
+                continue
+            for alias in node.names:
+                out.add(f"{source}.{alias.name}" if f"{source}.{alias.name}" in known else source)
         elif isinstance(node, ast.Import):
-            out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("flowlib.")}
+            out |= {a.name for a in node.names if a.name.startswith("flowlib")}
     return out
 
 
 def graph() -> dict[str, set[str]]:
-    modules = {p.stem for p in FLOWLIB.glob("*.py")}
-    return {p.stem: flowlib_imports(p) & modules for p in FLOWLIB.glob("*.py")}
+    known = set(modules())
+    return {m: flowlib_imports(p, known) & known for m, p in modules().items()}
 
 
-def test_every_flowlib_module_has_a_layer():
-    missing = sorted(set(graph()) - set(RANK))
-    assert not missing, f"place {missing} in a layer of tests/test_layers.py (and docs/architecture.md)"
+def test_every_module_lives_in_a_layer_folder():
+    stray = [m for m in modules() if folder(m) == "" and m not in ("flowlib", "flowlib._moved")]
+    folders = {p.name for p in FLOWLIB.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert not stray, f"move {stray} into one of flowlib's layer folders {FOLDERS}"
+    assert folders == set(FOLDERS), f"flowlib's folders {sorted(folders)} are not the layers {FOLDERS}: add the new one here"
+
+
+def test_every_old_flat_path_leads_to_a_module_that_exists():
+    """flowlib/_moved.py's LAYOUT keeps the paths of before the folders working: each names a module in its folder."""
+    gone = [f"flowlib/{f}/{m}.py" for f, ms in _moved.LAYOUT.items() for m in ms if not (FLOWLIB / f / f"{m}.py").exists()]
+    assert list(_moved.LAYOUT) == FOLDERS
+    assert not gone, f"flowlib/_moved.py's LAYOUT names modules that are gone: {gone}"
 
 
 def test_no_module_imports_from_a_layer_above_its_own():
-    upward = [f"{m} ({NAMES[RANK[m]]}) imports {d} ({NAMES[RANK[d]]})"
-              for m, deps in graph().items() for d in sorted(deps) if m in RANK and d in RANK and RANK[d] > RANK[m]]
+    upward = [f"{m} ({folder(m) or 'root'}) imports {d} ({folder(d)})"
+              for m, deps in graph().items() for d in sorted(deps) if RANK[folder(d)] > RANK[folder(m)]]
     assert not upward, "imports against the layering:\n" + "\n".join(upward)
 
 
 def test_flowlib_has_no_import_cycle():
-    g, state, cycles = graph(), {}, []
+    g = {m: {d for d in deps if d != m and not m.startswith(d + ".")} for m, deps in graph().items()}
+    state, cycles = {}, []
 
     def visit(m, stack):
         state[m] = 1
-        for d in sorted(g[m] - {m}):
+        for d in sorted(g[m]):
             if state.get(d) == 1:
-                cycles.append(" -> ".join(stack[stack.index(d):] + [m, d]))
+                cycles.append(" -> ".join(stack[stack.index(d):] + [m, d]) if d in stack else f"{m} -> {d}")
             elif d not in state:
                 visit(d, stack + [m])
         state[m] = 2
@@ -77,37 +95,41 @@ def test_flowlib_has_no_import_cycle():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
-def test_the_layering_test_sees_an_upward_import(tmp_path):
-    """The walk above finds imports inside functions and both relative forms (so the tests above can fail)."""
-    src = tmp_path / "m.py"
-    src.write_text("from . import bc\ndef f():\n    from .stage3 import train\n    from flowlib.loop import x\n")
-    assert flowlib_imports(src) == {"bc", "stage3", "loop"}
+def test_the_layering_test_sees_every_import_form(tmp_path):
+    """The walk above finds imports inside functions, package imports and relative ones (so the tests above can
+    fail): a module in rl/ importing from methods/ is upward."""
+    src = tmp_path / "flowlib" / "rl" / "m.py"
+    src.parent.mkdir(parents=True)
+    src.write_text("from flowlib.policies import bc\ndef f():\n    from flowlib.methods.stage3 import train\n"
+                   "    from .loop import x\n    import flowlib.infra.config\n")
+    known = {"flowlib.policies.bc", "flowlib.methods.stage3", "flowlib.rl.loop", "flowlib.infra.config"}
+    assert flowlib_imports(src, known, root=tmp_path) == known
+    assert RANK[folder("flowlib.methods.stage3")] > RANK[folder("flowlib.rl.m")]
 
 
-@pytest.mark.parametrize("folder", ["benchmarks", "notebooks"])
-def test_benchmarks_and_notebooks_use_flowlib_public_names_only(folder):
+@pytest.mark.parametrize("where", ["benchmarks", "notebooks"])
+def test_benchmarks_and_notebooks_use_flowlib_public_names_only(where):
     private = []
-    for path in sorted((REPO / folder).glob("*.py")):
+    for path in sorted((REPO / where).glob("*.py")):
         text = path.read_text()
-        modules = set(re.findall(r"from flowlib import ([\w, ]+)", text))
-        names = {n.strip() for group in modules for n in group.split(",")}
-        private += [f"{path.name}: {m}" for m in re.findall(r"from flowlib\.\w+ import \(?([^)\n]*_\w*)", text)
-                    if any(n.strip().startswith("_") for n in m.split(","))]
+        imported = re.findall(r"from flowlib(?:\.\w+)* import \(?([^)\n#]*)", text)
+        names = {n.strip().split(" as ")[-1] for group in imported for n in group.split(",") if n.strip()}
+        private += [f"{path.name}: {n}" for n in names if n.startswith("_")]
         private += [f"{path.name}: {n}.{a}" for n in names for a in re.findall(rf"\b{n}\.(_\w+)", text)]
     assert not private, "private flowlib names used outside flowlib:\n" + "\n".join(private)
 
 
-def test_the_package_index_lists_every_module_under_its_layer():
-    """flowlib/__init__.py's module index is where a newcomer starts: every module is in it, under the layer
-    LAYERS gives it."""
-    doc = (FLOWLIB / "__init__.py").read_text().split('"""')[1]
-    listed, layer = {}, None
-    for line in doc.splitlines():
-        if re.match(r"^[a-z][a-z ]*(:|$)", line):
-            layer = line.split(":")[0].strip()
-        elif m := re.match(r"^    (\w+)\s", line):
-            listed[m.group(1)] = layer
-    modules = {p.stem for p in FLOWLIB.glob("*.py")} - {"__init__"}
-    assert not modules - set(listed), f"add these modules to flowlib/__init__.py's index: {sorted(modules - set(listed))}"
-    wrong = {m: (listed[m], name) for name, members in LAYERS.items() for m in members if m in listed and listed[m] != name}
-    assert not wrong, f"listed under another layer than tests/test_layers.py's LAYERS (index, LAYERS): {wrong}"
+def test_the_package_index_lists_every_module_under_its_folder():
+    """flowlib/__init__.py's index names every module after its folder, and each folder's ``__init__`` gives every
+    module a line that says its job: that is where a newcomer starts."""
+    index = (FLOWLIB / "__init__.py").read_text().split('"""')[1]
+    listed = {}
+    for line in re.sub(r"\n {10}", " ", index).splitlines():
+        if (m := re.match(r"^(\w+) {2,}(.+)$", line)) and m.group(1) in FOLDERS:
+            listed[m.group(1)] = set(re.findall(r"(\w+)(?: \([^)]*\))?(?:,|$)", m.group(2)))
+    for f in FOLDERS:
+        mods = {p.stem for p in (FLOWLIB / f).glob("*.py")} - {"__init__"}
+        assert mods <= listed.get(f, set()), f"add {sorted(mods - listed.get(f, set()))} to {f}'s line of flowlib/__init__.py"
+        doc = (FLOWLIB / f / "__init__.py").read_text().split('"""')[1]
+        described = set(re.findall(r"^    (\w+)\s", doc, re.M))
+        assert mods <= described, f"describe {sorted(mods - described)} in flowlib/{f}/__init__.py's docstring"

@@ -1,4 +1,4 @@
-"""The Meta-World backend (flowlib.metaworld_envs): seeding independent of num_envs and of what ran before, held-out
+"""The Meta-World backend (flowlib.envs.metaworld_envs): seeding independent of num_envs and of what ran before, held-out
 positions, the success flag, a reset after a solved episode, truncation kept apart from termination in the chunk
 runner, expert demos through the stage-1 data path, bad names, and stage 1 then two iterations of chain PPO."""
 import numpy as np
@@ -7,11 +7,14 @@ import torch
 
 pytest.importorskip("metaworld", reason="the metaworld extra (make install installs it)")
 
-from flowlib import bc, evaluate, metaworld_envs, stage3  # noqa: E402
-from flowlib.data import ChunkDataset, demo_path, generate_demos, load_demos  # noqa: E402
-from flowlib.envs import check_env_id, control_mode, make_env  # noqa: E402
-from flowlib.smdp import ChunkRunner  # noqa: E402
-from flowlib.tasks import task  # noqa: E402
+from flowlib.policies import bc  # noqa: E402
+from flowlib.tools import evaluate
+from flowlib.envs import metaworld_envs
+from flowlib.methods import stage3
+from flowlib.envs.data import ChunkDataset, demo_path, generate_demos, load_demos  # noqa: E402
+from flowlib.envs.maniskill import check_env_id, control_mode, make_env  # noqa: E402
+from flowlib.envs.smdp import ChunkRunner  # noqa: E402
+from flowlib.envs.tasks import task  # noqa: E402
 
 pytestmark = pytest.mark.sim  # every test here steps MuJoCo or runs the scripted experts
 
@@ -137,7 +140,7 @@ def test_a_missing_extra_is_named_with_the_install_command(monkeypatch):
 
 
 def test_stage_one_then_two_iterations_of_chain_ppo_on_a_metaworld_task(tmp_path, monkeypatch):
-    from flowlib.tracking import Tracker
+    from flowlib.infra.tracking import Tracker
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path))
     steps, per_iter = 16, 2 * 2 * 8  # 2 envs x 2 chunks x 8 steps
     cfg = bc.ShortCutBCConfig(env_id=TASK, num_demos=3, velocity_net="mlp", mlp_dims=[32, 32], emb_dim=8,
@@ -169,7 +172,7 @@ def test_stage_one_then_two_iterations_of_chain_ppo_on_a_metaworld_task(tmp_path
 
 def test_a_worker_that_fails_raises_its_traceback_in_the_parent():
     import functools
-    from flowlib.vector import EnvGroups
+    from flowlib.envs.vector import EnvGroups
     make = functools.partial(metaworld_envs.MetaWorldGroup, env_id="pick-plce-v3", max_episode_steps=10,
                              reward_mode="sparse", render=False, camera_size=32)
     with pytest.raises(RuntimeError, match="an env worker failed:(.|\n)*unknown Meta-World task 'pick-plce-v3'"):

@@ -7,8 +7,8 @@ import nbformat
 import pytest
 from jupytext.config import load_jupytext_config
 
-from flowlib.run import NOTEBOOK_CONFIGS, config_class
-from flowlib.runs import REPO_ROOT
+from flowlib.tools.run import NOTEBOOK_CONFIGS, config_class
+from flowlib.infra.runs import REPO_ROOT
 
 NB_DIR = REPO_ROOT / "notebooks"
 SOURCES = sorted(NB_DIR.glob("[0-9]*.py"))
@@ -43,7 +43,7 @@ def test_parameters_cell_matches_the_config_dataclass(py):
     nb = jupytext.read(py)
     tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(tagged) == 1, f"{py.name}: expected exactly one cell tagged 'parameters', found {len(tagged)}"
-    assert py.stem in NOTEBOOK_CONFIGS, f"register {py.stem}'s config class in flowlib.run.NOTEBOOK_CONFIGS"
+    assert py.stem in NOTEBOOK_CONFIGS, f"register {py.stem}'s config class in flowlib.tools.run.NOTEBOOK_CONFIGS"
     namespace: dict = {}
     exec(tagged[0].source, namespace)
     defaults = {k: v for k, v in namespace.items() if not k.startswith("__")}
@@ -77,7 +77,7 @@ DOCUMENTED = IDS  # every parameters cell is generated from its config dataclass
 def test_a_documented_parameters_cell_is_typed_and_helped_as_its_dataclass_says(stem):
     """Each line is ``config.parameter_lines``'s ``name: type = value  # help``: ``papermill --help-notebook`` shows
     every parameter's type and help, and neither can drift from the dataclass (regenerate the cell after a change)."""
-    from flowlib.config import field_help, parameter_lines
+    from flowlib.infra.config import field_help, parameter_lines
 
     cls = config_class(stem)
     helps = field_help(cls)

@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
-from flowlib import grad_signal, ppo, reinflow, stage3
+from flowlib.infra import grad_signal
+from flowlib.rl import ppo
+from flowlib.methods import reinflow, stage3
 
 from test_flow_sde import agent_for
 

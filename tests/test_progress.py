@@ -1,7 +1,7 @@
 """Progress in a headless run: one plain line per update interval, no carriage returns, the count in each."""
 import re
 
-from flowlib import progress
+from flowlib.infra import progress
 
 
 def test_a_headless_bar_prints_plain_lines_with_the_count_rate_and_eta(monkeypatch, capsys):

@@ -12,11 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from flowlib import bc, evaluate, loop, ppo, reinflow, reinflow_agent, smdp, stage3
-from flowlib.config import ConfigError
-from flowlib.data import ChunkDataset, Episode
-from flowlib.envs import make_env
-from flowlib.tracking import Tracker
+from flowlib.policies import bc
+from flowlib.tools import evaluate
+from flowlib.rl import loop, ppo
+from flowlib.methods import reinflow, reinflow_agent, stage3
+from flowlib.envs import smdp
+from flowlib.infra.config import ConfigError
+from flowlib.envs.data import ChunkDataset, Episode
+from flowlib.envs.maniskill import make_env
+from flowlib.infra.tracking import Tracker
 from test_smdp import SolvedFromStep
 
 OBS_DIM, ACT_DIM = 42, 4  # PickCube-v1, state obs, pd_ee_delta_pos
@@ -578,8 +582,8 @@ def test_the_flipped_advantage_control_takes_the_exact_opposite_first_step():
     (``lr * sign(g)``), the policy moves by exactly the negative of the plain update."""
     import copy
 
-    from flowlib.buffers import RolloutBuffer
-    from flowlib.learners import PPOLearner
+    from flowlib.rl.buffers import RolloutBuffer
+    from flowlib.rl.learners import PPOLearner
 
     agent, obs = tiny_agent()
     b = fake_batch(agent, obs)

@@ -1,10 +1,11 @@
-"""Residual steering (flowlib.residual): the residual's log-prob, the executed actions it corrects, the stage-1
+"""Residual steering (flowlib.methods.residual): the residual's log-prob, the executed actions it corrects, the stage-1
 policy at the start, PPO moving only the residual policy, and what is refused."""
 import pytest
 import torch
 
-from flowlib import ppo, stage3
-from flowlib.residual import ResidualAgent
+from flowlib.rl import ppo
+from flowlib.methods import stage3
+from flowlib.methods.residual import ResidualAgent
 from test_reinflow import ACT_DIM, fake_batch, tiny_policy
 from test_residual_step import load_benchmark
 

@@ -1,4 +1,4 @@
-"""Per-step residual TD3 (flowlib.residual_step): the stage-1 policy at the start, TD3's target, the actor moving to
+"""Per-step residual TD3 (flowlib.methods.residual_step): the stage-1 policy at the start, TD3's target, the actor moving to
 the correction that pays with the flow untouched, the collector's transitions chaining step to step, what is
 refused, and a real PickCube run that evaluates with the correction in the loop and resumes with its replay."""
 import copy
@@ -10,14 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowlib import bc, reinflow, smdp, stage3
-from flowlib.envs import make_env
-from flowlib.nets import frozen, mlp
-from flowlib.flow_sde import LOG_2PI
-from flowlib.ppo import ppo_update
-from flowlib.residual_step import NStepReturns, StepCollector, StepResidualAgent, StepResidualPPOAgent
-from flowlib.residual_td3 import actor_lr, bound_scale, optimizers, replay_buffer, td3_update
-from flowlib.tracking import Tracker
+from flowlib.policies import bc
+from flowlib.methods import reinflow, stage3
+from flowlib.envs import smdp
+from flowlib.envs.maniskill import make_env
+from flowlib.flows.nets import frozen, mlp
+from flowlib.flows.flow_sde import LOG_2PI
+from flowlib.rl.ppo import ppo_update
+from flowlib.methods.residual_step import NStepReturns, StepCollector, StepResidualAgent, StepResidualPPOAgent
+from flowlib.methods.residual_td3 import actor_lr, bound_scale, optimizers, replay_buffer, td3_update
+from flowlib.infra.tracking import Tracker
 from test_reinflow import ACT_DIM, OBS_DIM, tiny_policy
 
 TD3 = {"steer": "residual_step", "learner": "td3", "reward": "shaped", "max_noise_std": 0.05, "final_noise_std": 0.05,
@@ -445,7 +447,7 @@ def test_the_nudge_benchmark_moves_the_gripper_towards_the_goal_only_while_grasp
 def test_the_grasp_failure_benchmark_reads_when_the_gripper_closes_and_how_far_off_it_is():
     import numpy as np
 
-    from flowlib.data import Episode
+    from flowlib.envs.data import Episode
     bench = load_benchmark("grasp_failures")
     T = 6
     obs = torch.zeros(T + 1, 42)                                        # PickCube's 42-dim state layout
@@ -473,7 +475,7 @@ def test_the_grasp_failure_benchmark_reads_when_the_gripper_closes_and_how_far_o
 def test_the_carry_report_tells_a_slip_from_a_dropped_cube_and_from_one_held_off_the_goal():
     import numpy as np
 
-    from flowlib.data import Episode
+    from flowlib.envs.data import Episode
     bench = load_benchmark("grasp_failures")
     T = 6
     obs = torch.zeros(T + 1, 42)
@@ -520,7 +522,7 @@ def test_the_episode_layout_benchmark_reads_the_layouts_the_evaluation_met_and_s
 
     bench = load_benchmark("episode_layout")
     seeds = list(range(30000, 30004))
-    with make_env("PickCube-v1", 4, control_mode="pd_ee_delta_pos") as env:  # as flowlib.bc.evaluate resets them
+    with make_env("PickCube-v1", 4, control_mode="pd_ee_delta_pos") as env:  # as flowlib.policies.bc.evaluate resets them
         obs = env.reset(seed=seeds).cpu()                                      # [4, 42]
     lay = bench.layouts(seeds)                                                  # one env, one seed at a time
     assert torch.allclose(torch.tensor(lay[["cx", "cy"]].values, dtype=torch.float32), obs[:, 29:31], atol=1e-6)

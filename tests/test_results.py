@@ -1,10 +1,10 @@
-"""Results as data (flowlib.results): publish copies an evaluation and its runs' parameters into results/<record>/,
+"""Results as data (flowlib.tools.results): publish copies an evaluation and its runs' parameters into results/<record>/,
 refuses what is not an evaluation, and check re-derives every committed number from its per-episode file."""
 import json
 
 import pytest
 
-from flowlib import evaluate, results
+from flowlib.tools import evaluate, results
 
 
 def fake_evaluation(outputs, name="pair", with_source=True):

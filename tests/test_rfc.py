@@ -3,8 +3,8 @@ episodes, the ratio logged is the kept share, and the registry takes chain/rfc w
 import pytest
 import torch
 
-from flowlib import stage3
-from flowlib.rfc import episode_success, rfc_mask
+from flowlib.methods import stage3
+from flowlib.methods.rfc import episode_success, rfc_mask
 
 
 def test_each_mask_keeps_what_it_names_among_live_rows():

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from flowlib.runs import rng_state, run_dir, save_json, save_torch, set_rng_state
-from flowlib.tracking import Tracker
+from flowlib.infra.runs import rng_state, run_dir, save_json, save_torch, set_rng_state
+from flowlib.infra.tracking import Tracker
 
 
 def test_rng_state_rewinds_the_draws_and_reads_checkpoints_saved_without_cuda_state():
@@ -156,7 +156,7 @@ def test_a_figure_with_an_unlabelled_scale_is_refused_naming_the_axes(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from flowlib.runs import save_figure
+    from flowlib.infra.runs import save_figure
 
     fig, (a, b) = plt.subplots(1, 2, sharey=True)
     a.plot([0, 1], [1, 2]), b.plot([0, 1], [2, 3])
@@ -174,7 +174,7 @@ def test_bars_and_lines_that_are_all_zero_say_so(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from flowlib.runs import save_figure
+    from flowlib.infra.runs import save_figure
 
     fig, (a, b) = plt.subplots(1, 2)
     a.bar(["K=1", "K=4"], [0.0, 0.0]), b.plot([0, 10], [0.0, 0.0])

@@ -1,12 +1,12 @@
-"""python -m flowlib.seeds: a result over seeds from flowlib.evaluate folders, and the clustered SE it pools with."""
+"""python -m flowlib.seeds: a result over seeds from flowlib.tools.evaluate folders, and the clustered SE it pools with."""
 import json
 
 import numpy as np
 import pytest
 
-from flowlib import evaluate, seeds
-from flowlib.metrics import clustered_mean
-from flowlib.runs import run_dir
+from flowlib.tools import evaluate, seeds
+from flowlib.infra.metrics import clustered_mean
+from flowlib.infra.runs import run_dir
 
 
 def test_clustered_se_is_the_plain_se_for_singletons_and_one_seeds_se_for_copies():
@@ -31,7 +31,7 @@ def test_clustered_se_of_balanced_clusters_is_the_se_of_their_means():
 
 
 def fake_evaluation(name: str, outcomes: dict[str, list[int]], seed: int = 30000):
-    """An outputs/evaluate/<name>/ folder as flowlib.evaluate writes it, for these per-episode successes."""
+    """An outputs/evaluate/<name>/ folder as flowlib.tools.evaluate writes it, for these per-episode successes."""
     results = {label: {"per_episode_success_once": [bool(o) for o in x], "per_episode_return": [float(o) for o in x],
                        "success_at_end": float(np.mean(x)), "act_horizon": 8,
                        "flags_once": {"is_grasped": 1.0}, "per_episode_flags_once": {"is_grasped": [True] * len(x)}}

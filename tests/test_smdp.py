@@ -1,12 +1,13 @@
-"""flowlib.smdp: action chunks as a semi-MDP on real and scripted envs (the discounted chunk reward, an
+"""flowlib.envs.smdp: action chunks as a semi-MDP on real and scripted envs (the discounted chunk reward, an
 episode's end inside a chunk, branches from one state, and the rewards learning sees)."""
 import math
 
 import pytest
 import torch
 
-from flowlib import smdp, stage3, tasks
-from flowlib.envs import make_env
+from flowlib.envs import smdp, tasks
+from flowlib.methods import stage3
+from flowlib.envs.maniskill import make_env
 
 OBS_DIM, ACT_DIM = tasks.PICKCUBE_OBS_DIM, 4  # PickCube-v1, state obs, pd_ee_delta_pos
 

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from flowlib import sweep
-from flowlib.config import ConfigError, load_yaml
-from flowlib.runs import REPO_ROOT
+from flowlib.tools import sweep
+from flowlib.infra.config import ConfigError, load_yaml
+from flowlib.infra.runs import REPO_ROOT
 
 ABLATIONS = REPO_ROOT / "params" / "03_reinflow" / "ablations"
 
@@ -78,8 +78,8 @@ def test_overrides_reach_every_job_but_may_not_erase_an_ablation(tmp_path, monke
     sets = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "-p"]
     assert sets == ['init_checkpoint="01_shortcut_bc/cpu100/best_model.pt"', "num_envs=4", "bench_num_envs=[4]",
                     "seed=0"]
-    from flowlib.run import parse_overrides
-    assert parse_overrides(sets) == {**cpu, "seed": 0}  # what the job's flowlib.run reads back
+    from flowlib.tools.run import parse_overrides
+    assert parse_overrides(sets) == {**cpu, "seed": 0}  # what the job's flowlib.tools.run reads back
     with pytest.raises(ConfigError, match="num_inference_steps \\(varied by steps_K16.yaml\\)"):
         sweep.plan("03_reinflow", ABLATIONS, [0], overrides={"num_inference_steps": 4})
     with pytest.raises(ConfigError, match="use --seeds"):
@@ -114,8 +114,9 @@ def test_summarize_reports_steps_to_level_gain_stability_and_cost_per_setting():
 
 def test_a_job_the_start_checkpoint_cannot_run_is_known_at_plan_time_and_never_started(tmp_path, monkeypatch, capsys):
     """K = 16 from a ShortCut trained for 8 steps: the dry run says so, the sweep records it without starting it,
-    and flowlib.run refuses it before a kernel starts."""
-    from flowlib import bc, run
+    and flowlib.tools.run refuses it before a kernel starts."""
+    from flowlib.policies import bc
+    from flowlib.tools import run
     from test_reinflow import tiny_policy
 
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "out"))

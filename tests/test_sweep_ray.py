@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import ray  # the ray extra, which make install installs: pip install -e '.[ray]'
 
-from flowlib import sweep
+from flowlib.tools import sweep
 
 TINY = "targets: [two_moons]\nmethods: [reflow]\ntrain_steps: 30\nhidden: 16\ndepth: 2\neval_steps: [1]\neval_samples: 200\n"
 

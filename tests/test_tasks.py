@@ -1,14 +1,16 @@
-"""The pipeline on ManiSkill tasks beyond PickCube, by env_id alone (flowlib.tasks): the task table, and for each of
+"""The pipeline on ManiSkill tasks beyond PickCube, by env_id alone (flowlib.envs.tasks): the task table, and for each of
 PushCube, StackCube and PegInsertionSide on CPU: motion-planned demos that generate and replay, a reset that carries
 nothing over from the episode before, a stage-1 run and a two-iteration stage-3 run of the target recipe."""
 import numpy as np
 import pytest
 import torch
 
-from flowlib import bc, stage3, tasks
-from flowlib.data import ChunkDataset, demo_path, generate_demos, load_demos
-from flowlib.envs import control_mode, make_env
-from flowlib.smdp import REACH_ENVS
+from flowlib.policies import bc
+from flowlib.methods import stage3
+from flowlib.envs import tasks
+from flowlib.envs.data import ChunkDataset, demo_path, generate_demos, load_demos
+from flowlib.envs.maniskill import control_mode, make_env
+from flowlib.envs.smdp import REACH_ENVS
 
 NEW_TASKS = {"PushCube-v1": (35, 4), "StackCube-v1": (48, 4), "PegInsertionSide-v1": (43, 7)}  # (obs, action) dims
 
@@ -59,7 +61,7 @@ def test_demos_generate_and_replay_in_the_tasks_control_mode(env_id, demos):
 @pytest.mark.sim
 @pytest.mark.parametrize("env_id", list(NEW_TASKS))
 def test_a_reset_after_a_demo_gives_the_observation_of_a_fresh_env(env_id, demos):
-    """What PickCube's stale grasp flag needed a fix for (flowlib.tasks' ``stale_at_reset``): here, after an episode
+    """What PickCube's stale grasp flag needed a fix for (flowlib.envs.tasks' ``stale_at_reset``): here, after an episode
     that solved the task, the next reset's observation is a fresh env's, every dim."""
     assert tasks.task(env_id).stale_at_reset is None
     ep = load_demos(demos[env_id])[1]
@@ -117,7 +119,7 @@ def test_each_of_the_seeds_methods_runs_two_iterations_on_a_maniskill_task(metho
     """RFC, FQL (offline on the start's own demos, then online), the Gaussian baseline (cloned from them, then PPO) and
     chain PPO with ReinFlow's W2 pull to the start and a cosine lr, from a stage-1 policy in ManiSkill's PushCube,
     sparse reward: two iterations write their rows and a checkpoint that loads as the method's agent."""
-    from flowlib.tracking import Tracker
+    from flowlib.infra.tracking import Tracker
     env_id = "PushCube-v1"
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(demo_path(env_id, 3).parents[2]))  # where the start's demos are cached
     steps, per_iter = 20, 2 * 8  # 1 env x 2 chunks x 8 steps

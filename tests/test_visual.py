@@ -1,4 +1,4 @@
-"""Seeing policies (flowlib.visual, flowlib.encoders): packed frames, DrQ's shift, farthest-point sampling, the
+"""Seeing policies (flowlib.envs.visual, flowlib.policies.encoders): packed frames, DrQ's shift, farthest-point sampling, the
 encoders' shapes and freezing, and on a real PickCube env on CPU: demos rendered into rgb / rgbd / pointcloud that
 line up with the state demos and with the env's own observations, a stage-1 run and a two-iteration stage-3 run with
 the encoder frozen."""
@@ -9,14 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from flowlib import bc, bench, ppo, stage3, visual, visual_demos
-from flowlib.data import Normalizer, generate_demos
-from flowlib.encoders import PointNetEncoder, SpatialSoftmaxCNN, VisualObsEncoder
-from flowlib.envs import EnvSpec, make_env
-from flowlib.residual_step import StepResidualAgent
-from flowlib.residual_td3 import optimizers, replay_buffer, td3_update
-from flowlib.smdp import ChunkRunner
-from flowlib.tracking import Tracker
+from flowlib.policies import bc
+from flowlib.tools import bench
+from flowlib.rl import ppo
+from flowlib.methods import stage3
+from flowlib.envs import visual, visual_demos
+from flowlib.envs.data import Normalizer, generate_demos
+from flowlib.policies.encoders import PointNetEncoder, SpatialSoftmaxCNN, VisualObsEncoder
+from flowlib.envs.maniskill import EnvSpec, make_env
+from flowlib.methods.residual_step import StepResidualAgent
+from flowlib.methods.residual_td3 import optimizers, replay_buffer, td3_update
+from flowlib.envs.smdp import ChunkRunner
+from flowlib.infra.tracking import Tracker
 from test_reinflow import tiny_policy  # a state stage-1 policy of PickCube's dims
 from test_reinflow import fake_batch  # the chain batch a PPO update reads
 
@@ -179,8 +183,8 @@ def test_an_asymmetric_critic_learns_a_value_that_only_the_simulators_state_hold
 def test_chain_ppos_asymmetric_value_reads_the_state_fits_what_only_it_holds_and_is_refused_where_it_cannot_run():
     """Chain PPO's V with asymmetric_critic: the first rollout's states fit its normaliser and value the buffer; on
     one camera frame it fits returns that only the state explains, which the embedding's V cannot."""
-    from flowlib.buffers import RolloutBuffer
-    from flowlib.reinflow import value_states
+    from flowlib.rl.buffers import RolloutBuffer
+    from flowlib.methods.reinflow import value_states
     policy = tiny_visual_policy(RGB)
     cfg = stage3.Stage3Config(num_inference_steps=4, value_hidden_dims=[32, 32], minibatch_size=64, update_epochs=1,
                               asymmetric_critic=True, critic_lr=1e-3)

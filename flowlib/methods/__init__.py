@@ -1,0 +1,17 @@
+"""methods: one module per stage-3 method, and the registry that names them (imports the layers below).
+
+    reinflow_agent  the noisy denoising chain as a policy, for every noise method (exact log-probs)
+    reinflow        chain ReinFlow: ChainConfig, its rollouts (collect, branches), Monte-Carlo values
+    steering        what every steer of a frozen flow is made of: the frozen flow's chain plus a small head
+    latent          steer "latent": a Gaussian policy over the frozen flow's x_0 (DSRL's idea), learned by PPO
+    latent_sac      the same policy over x_0 learned off-policy (DSRL's learner): twin Q, replay, KL to N(0, I)
+    residual        steer "residual": a Gaussian correction of the frozen flow's executed actions per chunk (PPO)
+    residual_step   steer "residual_step": a correction at every env step; its agents, collector and PPO learner
+    residual_td3    TD3 on that per-step correction (the CPU target run)
+    gaussian        the baseline without a flow: a Gaussian MLP over the chunk, cloned from the demos, then PPO
+    rfc             RFC, reflow fine-tuning with masks: the flow trained again on its own kept chunks
+    fql             FQL, flow Q-learning: a one-step policy distilled from the flow and trained against Q
+    stage3          the registry: (steer, learner) -> configs, agent, learner; Stage3Config; build, load, train
+
+Adding a method is one module here plus one entry in ``stage3.METHODS`` (docs/howto/extending.md).
+"""

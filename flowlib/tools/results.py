@@ -1,0 +1,259 @@
+"""Results as data: the files behind a published number, committed under ``results/<record>/``.
+
+    python -m flowlib.results publish outputs/evaluate/metaworld_pick_place_cosine --as metaworld/pick_place_cosine
+    python -m flowlib.results tables   # rewrite the results tables in docs/ and the README from results/
+    python -m flowlib.results check
+
+``outputs/`` is git-ignored; ``results/`` is not.  A record is one evaluation (``flowlib.tools.evaluate``'s folder) and
+the runs it scored, copied so that a reader can re-derive every number a results page quotes from it:
+
+* ``results.csv``, ``per_episode.csv``, ``per_episode_return.csv`` (and ``per_episode_flags.csv``), ``summary.json``:
+  the evaluation as it was written;
+* ``params/<run>.yaml``: the resolved parameters of each run whose checkpoint was scored (``<run>`` is the row's
+  label, ``/`` read as ``__``);
+* ``record.json``: the command that made the evaluation, the commit and the machine it ran on (recorded by
+  ``flowlib.tools.evaluate`` since 2026-12-06; for an older folder the command is rebuilt from its files and the commit
+  is marked as not recorded), the checkpoints, and when the record was published.
+
+Checkpoints and metrics streams stay out: the whole folder keeps within ``BUDGET_BYTES`` (``check``).  ``check``
+also re-derives every record's success rates and paired differences from its per-episode file, so a
+``results.csv`` cannot drift from the episodes it summarises.
+
+**Tables from the data.**  A page marks a table as a record's with ``<!-- table: <record> -->`` before it and
+``<!-- end table -->`` after it; ``tables`` writes the table between them from the record's ``results.csv`` (one row
+per evaluated policy: success, its paired difference from the first row, success at the episode's end), and
+``check`` fails on a marked table that differs from what the record gives, naming the page and the record.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from flowlib.tools.evaluate import labels
+from flowlib.infra.metrics import success_rates
+from flowlib.infra.runs import REPO_ROOT, git_commit, outputs_root, save_json, shown
+
+RESULTS_ROOT = REPO_ROOT / "results"
+BUDGET_BYTES = 5 * 2**20  # the whole results/ folder: per-episode files are a few KB each
+EVALUATION_FILES = ("results.csv", "per_episode.csv", "summary.json")  # what makes a folder an evaluation
+OPTIONAL_FILES = ("per_episode_return.csv", "per_episode_flags.csv")
+
+
+def run_folder(checkpoint: Path) -> Path | None:
+    """The run folder that holds ``checkpoint``'s ``params.yaml``: its folder or the nearest one above it (a stage-2
+    training seed's ``seed_0/last.pt`` belongs to the notebook's run)."""
+    for folder in [checkpoint.parent, *checkpoint.parent.parents]:
+        if (folder / "params.yaml").is_file():
+            return folder
+        if folder == outputs_root():
+            break
+    return None
+
+
+def base_label(policy: str) -> str:
+    """A results row's checkpoint label without its ``@K4`` / ``@ah4`` / ``@noisy`` suffixes."""
+    return policy.split("@")[0]
+
+
+def _check_checkpoints(src: Path, rows: list[dict], checkpoints: list[Path]) -> None:
+    """The checkpoints must be the evaluation's: ``flowlib.tools.evaluate.labels`` gives them its rows' labels, in order."""
+    wanted = list(dict.fromkeys(base_label(r["policy"]) for r in rows))
+    got = list(labels(checkpoints).values())
+    if got != wanted:
+        raise ValueError(f"{shown(src)} scored {wanted}, but the checkpoints given are labelled {got}: give the "
+                         "evaluation's own checkpoints, in its order")
+
+
+def publish(src: str | Path, record: str, checkpoints: list[str] | None = None, force: bool = False) -> Path:
+    """Copy the evaluation folder ``src`` and its runs' parameters into ``results/<record>/`` (module docstring).
+    ``checkpoints``: the evaluated checkpoint paths, needed only for a folder written before ``flowlib.tools.evaluate``
+    recorded them."""
+    src = Path(src)
+    missing = [f for f in EVALUATION_FILES if not (src / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{src} is not an evaluation folder (no {', '.join(missing)}): publish the folder "
+                                "python -m flowlib.evaluate wrote, outputs/evaluate/<run-name>")
+    parts = Path(record).parts
+    if not parts or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
+        raise ValueError(f"--as must be a relative record name such as metaworld/pick_place, got {record!r}")
+    dest = RESULTS_ROOT / record
+    if dest.exists() and not force:
+        raise FileExistsError(f"{shown(dest)} exists: publish under another name, or add --force to replace it")
+    summary = json.loads((src / "summary.json").read_text())
+    rows = summary["rows"]
+    recorded = summary.get("checkpoints")
+    paths = [Path(p) for p in (checkpoints or recorded or [])]
+    if not paths:
+        raise ValueError(f"{src}/summary.json does not list its checkpoints (an evaluation from before 2026-12-06): "
+                         "give them with --checkpoints, in the evaluation's order")
+    paths = [p if p.is_absolute() or p.exists() else REPO_ROOT / p for p in paths]
+    _check_checkpoints(src, rows, paths)
+    if dest.exists():
+        shutil.rmtree(dest)
+    (dest / "params").mkdir(parents=True)
+    for name in (*EVALUATION_FILES, *OPTIONAL_FILES):
+        if (src / name).is_file():
+            shutil.copy2(src / name, dest / name)
+    runs = {}
+    for path, label in labels(paths).items():
+        folder = run_folder(Path(path))
+        if folder is None:
+            raise FileNotFoundError(f"no params.yaml in the run folder of {shown(Path(path))}: publish needs the runs "
+                                    "as flowlib.tools.run wrote them")
+        shutil.copy2(folder / "params.yaml", dest / "params" / f"{label.replace('/', '__')}.yaml")
+        runs[label] = shown(folder)
+    if recorded:
+        source = {k: summary[k] for k in ("command", "commit", "machine", "date") if k in summary}
+    else:
+        first = rows[0]["episodes"]
+        source = {"command": "python -m flowlib.evaluate " + " ".join(shown(Path(p)) for p in paths)
+                  + f" --episodes {first} --seed {summary['seed']} --run-name {src.name}",
+                  "command_rebuilt": True, "commit": "not recorded"}
+    save_json(dest / "record.json", {"record": record, "source": shown(src), **source,
+                                     "checkpoints": [shown(Path(p)) for p in paths], "runs": runs,
+                                     "published_at": git_commit()})
+    return dest
+
+
+def rederive(record: Path) -> list[str]:
+    """Where ``record``'s ``results.csv`` differs from the rates and paired differences of its ``per_episode.csv``."""
+    per_episode = pd.read_csv(record / "per_episode.csv").drop(columns="env_seed")
+    derived = {r["policy"]: r for r in success_rates({c: per_episode[c].astype(bool).tolist() for c in per_episode})}
+    problems = []
+    for row in pd.read_csv(record / "results.csv").to_dict("records"):
+        ref = derived.get(row["policy"])
+        if ref is None:
+            problems.append(f"{shown(record)}: row {row['policy']!r} has no column in per_episode.csv")
+            continue
+        for key in ("episodes", "success", "se", "diff", "diff_se"):
+            if abs(float(row[key]) - float(ref[key])) > 1e-9:
+                problems.append(f"{shown(record)}: {row['policy']} {key} = {row[key]} in results.csv, "
+                                f"{ref[key]} from per_episode.csv")
+    return problems
+
+
+TABLE = re.compile(r"(<!-- table: (?P<record>[\w./-]+) -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
+PAGES = ("README.md", "docs")  # where marked tables may be, relative to the repository
+
+
+def table(record: str, root: Path = RESULTS_ROOT) -> str:
+    """The markdown table of ``record``'s ``results.csv``: each policy's success, its paired difference from the first
+    row and its success at the episode's end, as the results pages print them (3 decimals, ``+-`` one SE)."""
+    path = root / record / "results.csv"
+    if not path.is_file():
+        raise FileNotFoundError(f"no record {record!r} under {shown(root)}: publish it with python -m flowlib.results "
+                                f"publish outputs/evaluate/<run-name> --as {record}")
+    rows = pd.read_csv(path).to_dict("records")
+    lines = ["| policy | success_once | paired vs the first row | success_at_end |", "|---|---|---|---|"]
+    for i, r in enumerate(rows):
+        diff = "(reference)" if i == 0 else f"{r['diff']:+.3f} +- {r['diff_se']:.3f}"
+        lines.append(f"| `{r['policy']}` | {r['success']:.3f} +- {r['se']:.3f} | {diff} | {r['success_at_end']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def pages(repo: Path = REPO_ROOT) -> list[Path]:
+    out = []
+    for name in PAGES:
+        path = repo / name
+        out += sorted(path.rglob("*.md")) if path.is_dir() else [path] if path.is_file() else []
+    return out
+
+
+def marked_tables(text: str, root: Path = RESULTS_ROOT) -> tuple[str, list[str]]:
+    """``text`` with every marked table written from its record, and the records whose table it changed."""
+    changed = []
+
+    def fill(m):
+        body = table(m.group("record"), root)
+        if body != m.group("body"):
+            changed.append(m.group("record"))
+        return m.group(1) + body + m.group(4)
+    return TABLE.sub(fill, text), changed
+
+
+def write_tables(repo: Path = REPO_ROOT, root: Path = RESULTS_ROOT) -> list[str]:
+    """Rewrite every marked table of the pages from ``root``; returns ``page: record`` for each one rewritten."""
+    done = []
+    for page in pages(repo):
+        text, changed = marked_tables(page.read_text(), root)
+        if changed:
+            page.write_text(text)
+            done += [f"{page.relative_to(repo)}: {r}" for r in changed]
+    return done
+
+
+def stale_tables(repo: Path = REPO_ROOT, root: Path = RESULTS_ROOT) -> list[str]:
+    """A line per marked table that differs from its record's data (``check``)."""
+    problems = []
+    for page in pages(repo):
+        try:
+            _, changed = marked_tables(page.read_text(), root)
+        except FileNotFoundError as err:
+            problems.append(f"{page.relative_to(repo)}: {err}")
+            continue
+        problems += [f"{page.relative_to(repo)}: the table of record {r} differs from results/{r}/results.csv: run "
+                     "python -m flowlib.results tables" for r in changed]
+    return problems
+
+
+def records(root: Path = RESULTS_ROOT) -> list[Path]:
+    return sorted(p.parent for p in root.rglob("record.json"))
+
+
+def check(root: Path | None = None, repo: Path | None = REPO_ROOT) -> list[str]:
+    """Every problem with ``root`` (``results/``): over the size budget, a record whose numbers do not re-derive, and
+    (unless ``repo`` is None) a marked table of ``repo``'s pages that differs from its record."""
+    root = RESULTS_ROOT if root is None else root
+    size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.exists() else 0
+    problems = [] if size <= BUDGET_BYTES else [f"{shown(root)} holds {size / 2**20:.1f} MiB, over its budget of "
+                                                   f"{BUDGET_BYTES / 2**20:.0f} MiB: publish per-episode files only"]
+    for record in records(root):
+        problems += rederive(record)
+    return problems + (stale_tables(repo, root) if repo is not None else [])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flowlib.results", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    pub = sub.add_parser("publish", help="copy an evaluation folder and its runs' params into results/<record>/")
+    pub.add_argument("folder", help="an evaluation folder, outputs/evaluate/<run-name>")
+    pub.add_argument("--as", dest="record", required=True, help="the record's name under results/, e.g. metaworld/pick_place")
+    pub.add_argument("--checkpoints", nargs="+", default=None,
+                     help="the evaluated checkpoints, in order (only for folders written before 2026-12-06)")
+    pub.add_argument("--force", action="store_true", help="replace an existing record")
+    sub.add_parser("tables", help="rewrite every marked results table in the README and docs/ from results/")
+    sub.add_parser("check", help="size budget, every record's numbers re-derived from its per-episode file, every "
+                                 "marked table as its record gives it")
+    args = ap.parse_args(argv)
+    if args.cmd == "publish":
+        try:
+            dest = publish(args.folder, args.record, args.checkpoints, args.force)
+        except (FileNotFoundError, FileExistsError, ValueError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(f"-> {shown(dest)}")
+        return 0
+    if args.cmd == "tables":
+        try:
+            done = write_tables()
+        except FileNotFoundError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print("\n".join(done) or "every marked table is up to date")
+        return 0
+    problems = check()
+    for p in problems:
+        print(p, file=sys.stderr)
+    print(f"{len(records())} record(s), {'ok' if not problems else f'{len(problems)} problem(s)'}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
