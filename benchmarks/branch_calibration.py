@@ -28,11 +28,11 @@ import torch
 from scipy import stats
 from tqdm import tqdm
 
-from flowlib.rl import loop
-from flowlib.methods import reinflow, stage3
 from flowlib.envs.maniskill import make_env
-from flowlib.tools.run import parse_overrides
 from flowlib.infra.runs import run_dir, save_json
+from flowlib.methods import reinflow, stage3
+from flowlib.rl import loop
+from flowlib.tools.run import parse_overrides
 
 
 def main(argv=None) -> dict:

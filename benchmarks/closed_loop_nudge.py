@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from flowlib.policies import bc
 from flowlib.envs.maniskill import make_env
 from flowlib.infra.metrics import paired_means, success_rates
 from flowlib.infra.runs import run_dir, save_json
+from flowlib.policies import bc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark that reads PickCube's layout
 from latent_steering import GRASPED, OBJ_TO_GOAL, check_layout  # noqa: E402

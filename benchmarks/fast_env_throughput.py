@@ -18,10 +18,10 @@ import platform
 
 import torch
 
-from flowlib.tools import bench
-from flowlib.methods import stage3
 from flowlib.envs.maniskill import make_env
 from flowlib.infra.runs import run_dir, save_json
+from flowlib.methods import stage3
+from flowlib.tools import bench
 
 
 def main(argv=None) -> list[dict]:

@@ -41,12 +41,12 @@ import time
 import torch
 from tqdm import tqdm
 
-from flowlib.infra import grad_signal
-from flowlib.rl import loop, ppo
-from flowlib.methods import reinflow, residual_step, residual_td3, stage3
 from flowlib.envs.maniskill import make_env
 from flowlib.flows.flow_sde import LEARNED_NOISE
+from flowlib.infra import grad_signal
 from flowlib.infra.runs import run_dir, save_json
+from flowlib.methods import reinflow, residual_step, residual_td3, stage3
+from flowlib.rl import loop, ppo
 from flowlib.tools.run import parse_overrides
 
 BATCHES = (64, 256, 1024, 4096, 16384)

@@ -37,11 +37,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from flowlib.policies import bc
 from flowlib.envs.maniskill import make_env, resolve_backend
 from flowlib.envs.tasks import PICKCUBE_FINGERS
-from flowlib.tools.evaluate import load_checkpoint_policy
 from flowlib.infra.runs import run_dir, save_json
+from flowlib.policies import bc
+from flowlib.tools.evaluate import load_checkpoint_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark that reads PickCube's layout
 from latent_steering import GRASPED, OBJ, OBJ_TO_GOAL, TCP, TCP_TO_OBJ, check_layout  # noqa: E402

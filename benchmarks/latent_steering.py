@@ -35,13 +35,17 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from flowlib.policies import bc
 from flowlib.envs import smdp
 from flowlib.envs.maniskill import make_env
-from flowlib.envs.tasks import PICKCUBE_GOAL as GOAL, PICKCUBE_GRASPED as GRASPED, PICKCUBE_OBJ as OBJ  # PickCube-v1's
-from flowlib.envs.tasks import PICKCUBE_OBJ_TO_GOAL as OBJ_TO_GOAL, PICKCUBE_TCP as TCP  # state layout (flowlib.envs.tasks)
+from flowlib.envs.tasks import PICKCUBE_GOAL as GOAL  # PickCube-v1's
+from flowlib.envs.tasks import PICKCUBE_GRASPED as GRASPED
+from flowlib.envs.tasks import PICKCUBE_OBJ as OBJ
+from flowlib.envs.tasks import PICKCUBE_OBJ_TO_GOAL as OBJ_TO_GOAL  # state layout (flowlib.envs.tasks)
+from flowlib.envs.tasks import PICKCUBE_OBS_DIM
+from flowlib.envs.tasks import PICKCUBE_TCP as TCP
+from flowlib.envs.tasks import PICKCUBE_TCP_TO_OBJ as TCP_TO_OBJ
 from flowlib.infra.runs import run_dir, save_json
-from flowlib.envs.tasks import PICKCUBE_OBS_DIM, PICKCUBE_TCP_TO_OBJ as TCP_TO_OBJ
+from flowlib.policies import bc
 
 AXES = torch.cat([torch.eye(3), -torch.eye(3)])  # [6, 3]: +x +y +z -x -y -z
 

@@ -21,10 +21,10 @@ import time
 
 import torch
 
-from flowlib.tools import bench
-from flowlib.methods import stage3
 from flowlib.envs.maniskill import make_env
 from flowlib.infra.runs import run_dir, save_json
+from flowlib.methods import stage3
+from flowlib.tools import bench
 
 
 def raw_rate(env_id: str, num_envs: int, steps: int, seed: int = 0) -> float:

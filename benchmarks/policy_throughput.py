@@ -27,9 +27,9 @@ import time
 
 import torch
 
-from flowlib.tools import bench
-from flowlib.methods import reinflow_agent, stage3
 from flowlib.infra.runs import run_dir, save_json
+from flowlib.methods import reinflow_agent, stage3
+from flowlib.tools import bench
 
 
 def _sync(device: torch.device) -> None:

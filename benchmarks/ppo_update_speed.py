@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from flowlib.rl import ppo
-from flowlib.methods import stage3
 from flowlib.infra.runs import run_dir, save_json
+from flowlib.methods import stage3
+from flowlib.rl import ppo
 
 
 def main(argv=None) -> list[dict]:

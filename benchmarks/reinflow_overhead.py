@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from flowlib.tools import bench, pirl
-from flowlib.methods import stage3
 from flowlib.envs.maniskill import make_env
+from flowlib.methods import stage3
+from flowlib.tools import bench, pirl
 
 
 def rescoring_ms(agent, obs_window: torch.Tensor, repeats: int = 5) -> float:

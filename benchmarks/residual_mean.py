@@ -17,9 +17,9 @@ import argparse
 import torch
 
 from flowlib.envs import data
+from flowlib.infra.runs import run_dir, save_json
 from flowlib.methods import stage3
 from flowlib.methods.residual import ResidualAgent
-from flowlib.infra.runs import run_dir, save_json
 
 
 def demo_windows(episodes: list[data.Episode], obs_horizon: int, stride: int) -> torch.Tensor:

@@ -25,11 +25,11 @@ import copy
 
 import torch
 
-from flowlib.policies import bc
 from flowlib.infra import config
+from flowlib.infra.runs import run_dir, save_json
 from flowlib.methods import stage3
 from flowlib.methods.rfc import RFCLearner
-from flowlib.infra.runs import run_dir, save_json
+from flowlib.policies import bc
 
 
 def deterministic_chunks(agent, obs_n: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:

@@ -24,9 +24,9 @@ import torch
 from tqdm import tqdm
 
 from flowlib.infra import config
+from flowlib.infra.runs import run_dir, save_json
 from flowlib.methods import residual_td3, stage3
 from flowlib.rl.loop import on_all_cores
-from flowlib.infra.runs import run_dir, save_json
 
 ADAM = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 

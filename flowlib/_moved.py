@@ -82,6 +82,21 @@ def old_names_of(package: str, module: str):
     return __getattr__
 
 
+def moved_names(module: str, names: dict[str, str]):
+    """A module ``__getattr__`` (PEP 562) for names that left ``module`` for another (``names``: name -> its new
+    module): ``flowlib.methods.residual_step.NStepReturns`` still resolves, with a FutureWarning."""
+
+    def __getattr__(name: str):
+        if name not in names:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        _warn(f"{module}.{name}", f"{names[name]}.{name}")
+        value = getattr(importlib.import_module(names[name]), name)
+        setattr(sys.modules[module], name, value)
+        return value
+
+    return __getattr__
+
+
 def install() -> None:
     if not any(isinstance(f, MovedModules) for f in sys.meta_path):
         sys.meta_path.append(MovedModules())

@@ -39,7 +39,7 @@
 # diffusion's $\tfrac{\sigma^2}{2}\Delta p$ (piRL Eq. 8 in our clock). piRL picks $\sigma_t = a\sqrt{t/(1-t)}$ in
 # its clock (Eq. 9), i.e. $\sigma_t = a\sqrt{(1-t)/t}$ in ours: large near the noise, zero at the data.
 # It is infinite at $t=0$; RLinf's guard, used here, puts $t=\Delta t$ in the denominator of the first step.
-# One Euler-Maruyama step is Gaussian (`flowlib.flows.flow_sde.transition`, scored by `flowlib.flows.flow_sde.gaussian_log_prob`):
+# One Euler-Maruyama step is Gaussian (`flowlib.flows.flow_sde.transition`, scored by `flowlib.flows.distributions.gaussian_log_prob`):
 # $$\mu_k = x_k + \Big[v - \frac{\sigma_{t_k}^2}{2(1-t_k)}(x_k - t_k v)\Big]\Delta t,\qquad
 #   \Sigma_k = \sigma_{t_k}^2\,\Delta t\; I .$$
 # At $a=0$ it is the ODE step.

@@ -15,8 +15,9 @@ import functools
 import pytest
 import torch
 
+from flowlib.envs import data, metaworld_envs
+from flowlib.envs import maniskill as envs
 from flowlib.policies import bc
-from flowlib.envs import data, maniskill as envs, metaworld_envs
 from flowlib.tools import run, sweep
 
 # One torch thread: tests share 2 cores with ManiSkill workers and nbval kernels, and two threads

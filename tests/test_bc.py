@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from flowlib.policies import bc
 from flowlib.envs.data import ChunkDataset, Episode
 from flowlib.envs.maniskill import EnvSpec, check_env_id, make_env
 from flowlib.envs.tasks import PICKCUBE_GRASPED, PICKCUBE_OBJ_TO_GOAL, PICKCUBE_TCP_TO_OBJ
 from flowlib.flows.unet import ShortCutVelocityUNet1D
+from flowlib.policies import bc
 
 OBS_DIM, ACT_DIM = 42, 4  # PickCube-v1, state obs, pd_ee_delta_pos
 

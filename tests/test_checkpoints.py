@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowlib.policies import bc
 from flowlib.methods import stage3
+from flowlib.policies import bc
 from flowlib.policies.awsc import load_from_aw_shortcut_flow
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints"

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from flowlib.infra.config import ConfigError, from_globals, from_yaml, parse_yaml, validate
-from flowlib.tools.run import NOTEBOOK_CONFIGS, config_class, main, resolve_parameters
-from flowlib.policies.bc import ShortCutBCConfig
-from flowlib.methods.stage3 import Stage3Config, checkpoint_config
-from flowlib.infra.runs import REPO_ROOT
 from flowlib.flows.toy2d import Flows2DConfig
+from flowlib.infra.config import ConfigError, from_globals, from_yaml, parse_yaml, validate
+from flowlib.infra.runs import REPO_ROOT
+from flowlib.methods.stage3 import Stage3Config, checkpoint_config
+from flowlib.policies.bc import ShortCutBCConfig
+from flowlib.tools.run import NOTEBOOK_CONFIGS, config_class, main, resolve_parameters
 
 
 def test_unknown_key_names_the_key_the_suggestion_and_the_allowed_ones():
@@ -277,8 +277,8 @@ def test_a_list_that_arrives_as_text_says_how_to_pass_a_list():
 def test_the_chain_ppo_tutorial_may_start_without_its_start_checkpoint_which_it_makes(tmp_path, monkeypatch):
     """Notebook 03's default start is written by a params file of notebook 01, which the notebook runs when the
     checkpoint is missing (flowlib.tools.run.ensure_checkpoint); a start no params file writes still stops the run."""
-    from flowlib.tools.run import ensure_checkpoint, preflight
     from flowlib.infra.runs import checkpoint_location, run_that_writes
+    from flowlib.tools.run import ensure_checkpoint, preflight
 
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path))
     assert preflight("03_reinflow", resolve_parameters("03_reinflow")) == ""

@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from flowlib.policies import awsc, bc, critic as critics
 from flowlib.envs.data import ChunkDataset, Episode, load_demos, save_episodes
 from flowlib.flows.models import ShortCut
 from flowlib.flows.nets import ConditionalMLP
+from flowlib.policies import awsc, bc
+from flowlib.policies import critic as critics
 
 OBS_DIM, ACT_DIM = 3, 2
 

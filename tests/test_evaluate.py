@@ -5,9 +5,9 @@ import pytest
 import torch
 from test_bc import random_episodes, tiny_cfg
 
+from flowlib.envs.data import ChunkDataset
 from flowlib.policies import bc
 from flowlib.tools import evaluate
-from flowlib.envs.data import ChunkDataset
 
 
 def record_make_env(monkeypatch) -> list[dict]:

@@ -1,8 +1,8 @@
 """HTML pages of the notebooks render their equations offline: MathJax is loaded from a folder beside them."""
 import re
 
-from flowlib.tools.export import main
 from flowlib.infra.runs import REPO_ROOT
+from flowlib.tools.export import main
 
 
 def test_a_page_loads_mathjax_from_its_own_folder_not_the_internet(tmp_path, capsys):

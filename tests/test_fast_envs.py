@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from flowlib.envs.data import generate_demos, load_demos
-from flowlib.envs.maniskill import control_mode, make_env
 from flowlib.envs.fast_envs import MAX_STEP, FastPush, FastReach, demonstrate
+from flowlib.envs.maniskill import control_mode, make_env
 from flowlib.envs.smdp import ChunkRunner
 
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from flowlib.policies import bc
-from flowlib.methods import stage3
 from flowlib.envs.data import ChunkDataset, generate_demos, load_demos
 from flowlib.envs.maniskill import make_env
+from flowlib.methods import stage3
+from flowlib.policies import bc
 
 EPISODES = 512
 
@@ -248,9 +248,9 @@ def test_stage2_rollouts_come_from_a_steering_checkpoint_and_a_foreign_one_is_re
     recorded chunk is the steered policy's deterministic one on the recorded observations (not stage 1's), and the
     cache keeps them apart from stage 1's.  A missing file, a foreign one and a policy of another task are refused
     by ``flowlib.tools.run``'s preflight with the parameter named; a policy of other dims by the notebook's check."""
+    from flowlib.infra.tracking import Tracker
     from flowlib.policies import awsc
     from flowlib.tools import evaluate, run
-    from flowlib.infra.tracking import Tracker
     tiny_start(tmp_path, monkeypatch)
     cfg = tiny_chain_config(2, steer="latent", actor_lr=1e-2, max_noise_std=1.0, final_noise_std=1.0)
     steering = tmp_path / "06_steering" / "dsrl"

@@ -4,13 +4,12 @@ import math
 
 import pytest
 import torch
-
-from flowlib.flows import flow_sde
-from flowlib.methods import reinflow_agent, stage3
-from flowlib.infra.metrics import sliced_wasserstein
-from flowlib.flows.toy2d import eight_gaussian_means, mixture_velocity
-
 from test_reinflow import ACT_DIM, tiny_policy
+
+from flowlib.flows import distributions, flow_sde
+from flowlib.flows.toy2d import eight_gaussian_means, mixture_velocity
+from flowlib.infra.metrics import sliced_wasserstein
+from flowlib.methods import reinflow_agent, stage3
 
 
 def pirl_transition(method, x, v, t, dt, a):
@@ -124,8 +123,8 @@ def test_sde_samples_match_the_ode_marginals_while_paths_differ():
 
 
 def test_study_config_rejects_unknown_methods_and_finetune_keys():
-    from flowlib.tools import pirl
     from flowlib.infra.config import ConfigError
+    from flowlib.tools import pirl
 
     with pytest.raises(ValueError, match="unknown methods"):
         pirl.FlowSDEConfig(methods=["flow_ddim"])
@@ -172,14 +171,14 @@ def test_correlated_log_prob_equals_a_multivariate_normal_along_the_chunk(n, rho
         s = std[:, :, a].double()
         cov = s[:, :, None] * corr.double() * s[:, None, :]
         expected += torch.distributions.MultivariateNormal(mean[:, :, a].double(), cov).log_prob(x[:, :, a].double())
-    assert torch.allclose(flow_sde.gaussian_log_prob(x, mean, std, rho).double(), expected, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(distributions.gaussian_log_prob(x, mean, std, rho).double(), expected, rtol=1e-5, atol=1e-4)
 
 
 
 def test_gaussian_entropy_is_the_per_dim_mean_of_torchs_normal_entropy():
     std = 0.05 + torch.rand(6, 16, 4)
     expected = torch.distributions.Normal(torch.zeros_like(std), std).entropy().flatten(1).mean(1)  # [6]
-    assert torch.allclose(flow_sde.gaussian_entropy(std), expected, atol=1e-6)
+    assert torch.allclose(distributions.gaussian_entropy(std), expected, atol=1e-6)
 
 def test_correlated_noise_has_the_asked_correlation_and_a_bad_one_is_rejected():
     eps = flow_sde.correlated_noise((20_000, 8, 4), 0.9, torch.Generator().manual_seed(0))
@@ -188,4 +187,4 @@ def test_correlated_noise_has_the_asked_correlation_and_a_bad_one_is_rejected():
     assert (off - 0.9).abs().max() < 0.02 and (c.diagonal() - 1).abs().max() < 1e-5
     assert abs(torch.corrcoef(eps[:, 0, :].T)[0, 1]) < 0.03  # action dims stay independent
     with pytest.raises(ValueError, match="corr must be in"):
-        flow_sde.gaussian_log_prob(eps[:2], eps[:2], torch.ones(1), 1.0)
+        distributions.gaussian_log_prob(eps[:2], eps[:2], torch.ones(1), 1.0)

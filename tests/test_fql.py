@@ -3,12 +3,11 @@ chunk decisions with the sparse reward's returns, terminations and bootstraps; t
 import numpy as np
 import pytest
 import torch
-
-from flowlib.methods import stage3
-from flowlib.envs.data import Episode
-from flowlib.methods.fql import FQLAgent, FQLSettings, demo_decisions, fql_update, train_offline
-
 from test_reinflow import ACT_DIM, OBS_DIM, tiny_policy
+
+from flowlib.envs.data import Episode
+from flowlib.methods import stage3
+from flowlib.methods.fql import FQLAgent, FQLSettings, demo_decisions, fql_update, train_offline
 
 
 def fql_for():

@@ -2,12 +2,11 @@
 1 before an update, deterministic actions are the mean, and the registry takes it with PPO only."""
 import pytest
 import torch
+from test_reinflow import tiny_policy
 
-from flowlib.rl import ppo
 from flowlib.methods import stage3
 from flowlib.methods.gaussian import GaussianChunkAgent
-
-from test_reinflow import tiny_policy
+from flowlib.rl import ppo
 
 
 def gaussian_for(**kw):

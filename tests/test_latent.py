@@ -2,11 +2,11 @@
 start, PPO moving only the latent policy, and what the config refuses."""
 import pytest
 import torch
+from test_reinflow import ACT_DIM, fake_batch, tiny_policy
 
-from flowlib.rl import ppo
 from flowlib.methods import stage3
 from flowlib.methods.latent import LatentSteeringAgent
-from test_reinflow import ACT_DIM, fake_batch, tiny_policy
+from flowlib.rl import ppo
 
 
 def latent_agent(K=4, bound=2.5, **kwargs):

@@ -5,14 +5,14 @@ import math
 
 import pytest
 import torch
-
-from flowlib.policies import bc
-from flowlib.methods import stage3
-from flowlib.envs.maniskill import make_env
-from flowlib.rl.buffers import ReplayBuffer
-from flowlib.methods.latent_sac import LatentSACAgent, optimizers, prior_kl, sac_update
-from flowlib.infra.tracking import Tracker
 from test_reinflow import ACT_DIM, OBS_DIM, tiny_policy
+
+from flowlib.envs.maniskill import make_env
+from flowlib.infra.tracking import Tracker
+from flowlib.methods import stage3
+from flowlib.methods.latent_sac import LatentSACAgent, optimizers, prior_kl, sac_update
+from flowlib.policies import bc
+from flowlib.rl.buffers import ReplayBuffer
 
 SAC = {"steer": "latent", "learner": "sac", "max_noise_std": 1.0, "final_noise_std": 1.0, "min_noise_std": 0.05,
        "latent_hidden_dims": [16], "value_hidden_dims": [32, 32]}

@@ -7,14 +7,14 @@ import torch
 
 pytest.importorskip("metaworld", reason="the metaworld extra (make install installs it)")
 
-from flowlib.policies import bc  # noqa: E402
-from flowlib.tools import evaluate
 from flowlib.envs import metaworld_envs
-from flowlib.methods import stage3
 from flowlib.envs.data import ChunkDataset, demo_path, generate_demos, load_demos  # noqa: E402
 from flowlib.envs.maniskill import check_env_id, control_mode, make_env  # noqa: E402
 from flowlib.envs.smdp import ChunkRunner  # noqa: E402
 from flowlib.envs.tasks import task  # noqa: E402
+from flowlib.methods import stage3
+from flowlib.policies import bc  # noqa: E402
+from flowlib.tools import evaluate
 
 pytestmark = pytest.mark.sim  # every test here steps MuJoCo or runs the scripted experts
 
@@ -172,6 +172,7 @@ def test_stage_one_then_two_iterations_of_chain_ppo_on_a_metaworld_task(tmp_path
 
 def test_a_worker_that_fails_raises_its_traceback_in_the_parent():
     import functools
+
     from flowlib.envs.vector import EnvGroups
     make = functools.partial(metaworld_envs.MetaWorldGroup, env_id="pick-plce-v3", max_episode_steps=10,
                              reward_mode="sparse", render=False, camera_size=32)

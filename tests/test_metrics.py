@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from flowlib.infra.metrics import paired_means, sliced_wasserstein, success_rates
 from flowlib.flows.toy2d import TARGETS, sample_target
+from flowlib.infra.metrics import paired_means, sliced_wasserstein, success_rates
 
 
 def test_identical_sets_are_at_distance_zero():

@@ -48,3 +48,13 @@ def test_the_commands_keep_their_short_names_without_a_warning(command):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"python -m {command}" in out.stdout or "usage" in out.stdout
+
+
+def test_a_name_that_left_a_split_module_resolves_with_a_warning():
+    from flowlib.methods import residual_step
+    from flowlib.rl.buffers import NStepReturns
+    residual_step.__dict__.pop("NStepReturns", None)
+    with pytest.warns(FutureWarning, match=r"residual_step\.NStepReturns moved to flowlib\.rl\.buffers\.NStepReturns"):
+        assert residual_step.NStepReturns is NStepReturns
+    with pytest.raises(AttributeError, match="has no attribute 'nothing_here'"):
+        residual_step.nothing_here  # noqa: B018

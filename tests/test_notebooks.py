@@ -7,8 +7,8 @@ import nbformat
 import pytest
 from jupytext.config import load_jupytext_config
 
-from flowlib.tools.run import NOTEBOOK_CONFIGS, config_class
 from flowlib.infra.runs import REPO_ROOT
+from flowlib.tools.run import NOTEBOOK_CONFIGS, config_class
 
 NB_DIR = REPO_ROOT / "notebooks"
 SOURCES = sorted(NB_DIR.glob("[0-9]*.py"))

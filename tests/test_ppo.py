@@ -4,12 +4,11 @@ import math
 
 import pytest
 import torch
+from test_flow_sde import agent_for
 
 from flowlib.infra import grad_signal
-from flowlib.rl import ppo
 from flowlib.methods import reinflow, stage3
-
-from test_flow_sde import agent_for
+from flowlib.rl import ppo
 
 
 def rollout(T=6, N=3, seed=0):

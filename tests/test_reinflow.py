@@ -11,17 +11,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from test_smdp import SolvedFromStep
 
-from flowlib.policies import bc
-from flowlib.tools import evaluate
-from flowlib.rl import loop, ppo
-from flowlib.methods import reinflow, reinflow_agent, stage3
 from flowlib.envs import smdp
-from flowlib.infra.config import ConfigError
 from flowlib.envs.data import ChunkDataset, Episode
 from flowlib.envs.maniskill import make_env
+from flowlib.infra.config import ConfigError
 from flowlib.infra.tracking import Tracker
-from test_smdp import SolvedFromStep
+from flowlib.methods import reinflow, reinflow_agent, stage3
+from flowlib.policies import bc
+from flowlib.rl import loop, ppo
+from flowlib.tools import evaluate
 
 OBS_DIM, ACT_DIM = 42, 4  # PickCube-v1, state obs, pd_ee_delta_pos
 REPO = Path(__file__).resolve().parents[1]

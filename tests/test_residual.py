@@ -2,12 +2,12 @@
 policy at the start, PPO moving only the residual policy, and what is refused."""
 import pytest
 import torch
-
-from flowlib.rl import ppo
-from flowlib.methods import stage3
-from flowlib.methods.residual import ResidualAgent
 from test_reinflow import ACT_DIM, fake_batch, tiny_policy
 from test_residual_step import load_benchmark
+
+from flowlib.methods import stage3
+from flowlib.methods.residual import ResidualAgent
+from flowlib.rl import ppo
 
 TA, START = 8, 1  # the tiny policy's act_horizon; executed rows start at obs_horizon - 1
 

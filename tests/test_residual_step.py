@@ -9,18 +9,27 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_reinflow import ACT_DIM, OBS_DIM, tiny_policy
 
-from flowlib.policies import bc
-from flowlib.methods import reinflow, stage3
 from flowlib.envs import smdp
 from flowlib.envs.maniskill import make_env
+from flowlib.flows.distributions import LOG_2PI
 from flowlib.flows.nets import frozen, mlp
-from flowlib.flows.flow_sde import LOG_2PI
-from flowlib.rl.ppo import ppo_update
-from flowlib.methods.residual_step import NStepReturns, StepCollector, StepResidualAgent, StepResidualPPOAgent
-from flowlib.methods.residual_td3 import actor_lr, bound_scale, optimizers, replay_buffer, td3_update
 from flowlib.infra.tracking import Tracker
-from test_reinflow import ACT_DIM, OBS_DIM, tiny_policy
+from flowlib.methods import reinflow, stage3
+from flowlib.methods.residual_step import StepCollector, StepResidualAgent
+from flowlib.methods.residual_step_ppo import StepResidualPPOAgent
+from flowlib.methods.residual_td3 import (
+    StepResidualTD3Agent,
+    actor_lr,
+    bound_scale,
+    optimizers,
+    replay_buffer,
+    td3_update,
+)
+from flowlib.policies import bc
+from flowlib.rl.buffers import NStepReturns
+from flowlib.rl.ppo import ppo_update
 
 TD3 = {"steer": "residual_step", "learner": "td3", "reward": "shaped", "max_noise_std": 0.05, "final_noise_std": 0.05,
        "min_noise_std": 0.005, "residual_hidden_dims": [16], "value_hidden_dims": [32, 32]}
@@ -35,7 +44,7 @@ def load_benchmark(name: str):
     return module
 
 
-def step_agent(bound=0.5, cls=StepResidualAgent, **kwargs):
+def step_agent(bound=0.5, cls=StepResidualTD3Agent, **kwargs):
     policy, dataset = tiny_policy()
     agent = cls(policy, 4, min_noise_std=0.005, max_noise_std=0.05, value_hidden_dims=(32, 32), residual_bound=bound,
                 residual_hidden=(16,), **kwargs)
@@ -228,7 +237,7 @@ def test_n_step_returns_match_a_per_env_loop(n):
 
 def test_without_the_gripper_the_residual_its_noise_and_its_target_smoothing_leave_the_last_dim_alone():
     policy, dataset = tiny_policy()
-    agent = StepResidualAgent(policy, 4, max_noise_std=0.05, value_hidden_dims=(32, 32), residual_bound=0.5,
+    agent = StepResidualTD3Agent(policy, 4, max_noise_std=0.05, value_hidden_dims=(32, 32), residual_bound=0.5,
                               residual_hidden=(16,), correct_gripper=False)
     obs = torch.stack([dataset[i][0] for i in range(5)])
     with torch.no_grad():
@@ -263,7 +272,7 @@ def test_what_has_no_meaning_for_a_per_step_residual_is_refused():
     with pytest.raises(ValueError, match="residual_bound must be > 0"):
         step_agent(bound=0.0)
     with pytest.raises(ValueError, match="no chain log-prob.*hybrid must be False"):
-        StepResidualAgent(tiny_policy()[0], 4, hybrid=True)
+        StepResidualTD3Agent(tiny_policy()[0], 4, hybrid=True)
     agent, _, _ = step_agent()
     with pytest.raises(ValueError, match="lacks the fields \\['base', 'next_base'\\]"):
         replay_buffer(agent, 8).load_state_dict(  # a DSRL-SAC replay has no base actions

@@ -4,9 +4,9 @@ import json
 import numpy as np
 import pytest
 
-from flowlib.tools import evaluate, seeds
 from flowlib.infra.metrics import clustered_mean
 from flowlib.infra.runs import run_dir
+from flowlib.tools import evaluate, seeds
 
 
 def test_clustered_se_is_the_plain_se_for_singletons_and_one_seeds_se_for_copies():

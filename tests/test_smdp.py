@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from flowlib.envs import smdp, tasks
-from flowlib.methods import stage3
 from flowlib.envs.maniskill import make_env
+from flowlib.methods import stage3
 
 OBS_DIM, ACT_DIM = tasks.PICKCUBE_OBS_DIM, 4  # PickCube-v1, state obs, pd_ee_delta_pos
 

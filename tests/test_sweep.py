@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from flowlib.tools import sweep
 from flowlib.infra.config import ConfigError, load_yaml
 from flowlib.infra.runs import REPO_ROOT
+from flowlib.tools import sweep
 
 ABLATIONS = REPO_ROOT / "params" / "03_reinflow" / "ablations"
 
@@ -115,9 +115,10 @@ def test_summarize_reports_steps_to_level_gain_stability_and_cost_per_setting():
 def test_a_job_the_start_checkpoint_cannot_run_is_known_at_plan_time_and_never_started(tmp_path, monkeypatch, capsys):
     """K = 16 from a ShortCut trained for 8 steps: the dry run says so, the sweep records it without starting it,
     and flowlib.tools.run refuses it before a kernel starts."""
+    from test_reinflow import tiny_policy
+
     from flowlib.policies import bc
     from flowlib.tools import run
-    from test_reinflow import tiny_policy
 
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "out"))
     start = tmp_path / "out" / "01_shortcut_bc" / "s1" / "best_model.pt"

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from flowlib.policies import bc
-from flowlib.methods import stage3
 from flowlib.envs import tasks
 from flowlib.envs.data import ChunkDataset, demo_path, generate_demos, load_demos
 from flowlib.envs.maniskill import control_mode, make_env
 from flowlib.envs.smdp import REACH_ENVS
+from flowlib.methods import stage3
+from flowlib.policies import bc
 
 NEW_TASKS = {"PushCube-v1": (35, 4), "StackCube-v1": (48, 4), "PegInsertionSide-v1": (43, 7)}  # (obs, action) dims
 

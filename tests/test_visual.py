@@ -8,21 +8,22 @@ import types
 import numpy as np
 import pytest
 import torch
+from test_reinflow import (
+    fake_batch,  # the chain batch a PPO update reads
+    tiny_policy,  # a state stage-1 policy of PickCube's dims
+)
 
-from flowlib.policies import bc
-from flowlib.tools import bench
-from flowlib.rl import ppo
-from flowlib.methods import stage3
 from flowlib.envs import visual, visual_demos
 from flowlib.envs.data import Normalizer, generate_demos
-from flowlib.policies.encoders import PointNetEncoder, SpatialSoftmaxCNN, VisualObsEncoder
 from flowlib.envs.maniskill import EnvSpec, make_env
-from flowlib.methods.residual_step import StepResidualAgent
-from flowlib.methods.residual_td3 import optimizers, replay_buffer, td3_update
 from flowlib.envs.smdp import ChunkRunner
 from flowlib.infra.tracking import Tracker
-from test_reinflow import tiny_policy  # a state stage-1 policy of PickCube's dims
-from test_reinflow import fake_batch  # the chain batch a PPO update reads
+from flowlib.methods import stage3
+from flowlib.methods.residual_td3 import StepResidualTD3Agent, optimizers, replay_buffer, td3_update
+from flowlib.policies import bc
+from flowlib.policies.encoders import PointNetEncoder, SpatialSoftmaxCNN, VisualObsEncoder
+from flowlib.rl import ppo
+from flowlib.tools import bench
 
 RGB = visual.ObsLayout("rgb", 5, (8, 8, 3))
 CLOUD = visual.ObsLayout("pointcloud", 5, (16, 3))
@@ -123,14 +124,14 @@ def test_a_frozen_visual_encoder_takes_no_gradient_and_keeps_its_weights_through
 
 def test_a_residual_on_a_visual_policy_reads_and_replays_the_frozen_encoders_embedding_not_the_pixels():
     policy = tiny_visual_policy(RGB)
-    agent = StepResidualAgent(policy, 4, value_hidden_dims=(16,), residual_hidden=(16,))
+    agent = StepResidualTD3Agent(policy, 4, value_hidden_dims=(16,), residual_hidden=(16,))
     obs, base = torch.rand(5, 2, RGB.dim) * 255, torch.randn(5, 4)
     observed = agent.observe(obs)
     assert observed.shape == (5, 8) and agent.state_dim == 8 + 4
     torch.testing.assert_close(agent.state(obs, base), agent.state(observed, base))  # from frames or from the replay
     assert torch.equal(observed, agent.flow.net.obs_encoder(agent.norm_obs(obs).flatten(1)))
     assert replay_buffer(agent, 10).data["obs"].shape == (10, 8)  # 32 bytes a transition, not 2 x 197 floats
-    state_agent = StepResidualAgent(tiny_policy()[0], 4, value_hidden_dims=(16,), residual_hidden=(16,))
+    state_agent = StepResidualTD3Agent(tiny_policy()[0], 4, value_hidden_dims=(16,), residual_hidden=(16,))
     window = torch.randn(3, 2, 42)
     assert state_agent.observe(window) is window  # a state policy's replay keeps the window, as before
     problem = stage3.visual_problem(stage3.Stage3Config(steer="latent", learner="sac"), policy.meta, "start.pt")
@@ -183,8 +184,8 @@ def test_an_asymmetric_critic_learns_a_value_that_only_the_simulators_state_hold
 def test_chain_ppos_asymmetric_value_reads_the_state_fits_what_only_it_holds_and_is_refused_where_it_cannot_run():
     """Chain PPO's V with asymmetric_critic: the first rollout's states fit its normaliser and value the buffer; on
     one camera frame it fits returns that only the state explains, which the embedding's V cannot."""
-    from flowlib.rl.buffers import RolloutBuffer
     from flowlib.methods.reinflow import value_states
+    from flowlib.rl.buffers import RolloutBuffer
     policy = tiny_visual_policy(RGB)
     cfg = stage3.Stage3Config(num_inference_steps=4, value_hidden_dims=[32, 32], minibatch_size=64, update_epochs=1,
                               asymmetric_critic=True, critic_lr=1e-3)

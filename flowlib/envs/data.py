@@ -29,13 +29,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from flowlib.infra import progress
+from flowlib.envs.fast_envs import FAST_TASKS, demonstrate
 from flowlib.envs.maniskill import check_env_id, clear_grasp_at_reset, is_fast
 from flowlib.envs.maniskill import control_mode as task_control_mode
-from flowlib.envs.fast_envs import FAST_TASKS, demonstrate
 from flowlib.envs.metaworld_envs import expert_episodes
-from flowlib.infra.runs import outputs_root
 from flowlib.envs.tasks import DEFAULT_CONTROL_MODE, MOTION_PLANNING_ENVS, is_metaworld, task
+from flowlib.infra import progress
+from flowlib.infra.runs import outputs_root
 
 
 @dataclass

@@ -19,7 +19,6 @@ import torch
 
 from flowlib.envs.tasks import PICKCUBE_FINGERS, PICKCUBE_OBJ_TO_GOAL, PICKCUBE_OBS_DIM, PICKCUBE_TCP_TO_OBJ, TASKS
 
-
 REWARDS = ("sparse", "dense", "shaped")
 # the tasks whose reach / grasp-gap / place learning terms are written (flowlib.envs.tasks); PickCube's normalized dense
 # reward is the reach term / 5 until the cube is grasped

@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flowlib.infra import progress
 from flowlib.envs.data import ChunkDataset, Episode, Normalizer, load_demos
 from flowlib.envs.visual import ObsLayout, check_obs_mode, make_visual_env, pack
+from flowlib.infra import progress
+
 
 def visual_demo_path(state_demo_path: str | Path, obs_mode: str, camera_size: int, num_points: int) -> Path:
     """Where ``replay_visual`` caches the demos: ``..._<n>.rgb64...`` beside the state demos.  A point cloud is cut

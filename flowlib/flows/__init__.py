@@ -3,8 +3,8 @@
     models    ReFlow, MeanFlow, ShortCut; the time convention (t = 0 noise, t = 1 data); the sampler
     nets      velocity networks with the interface net(x, t, d, obs); MLPs, twin Q
     unet      ShortCutVelocityUNet1D, the 1D temporal U-Net over action chunks; ChunkVelocityMLP
-    flow_sde  stochastic denoising steps: score from velocity, Flow-SDE, Flow-CPS, learned noise, hybrid masks;
-              the Gaussian step's log-density and entropy
+    distributions  diagonal and chunk-correlated Gaussians: log-densities, entropies, correlated noise
+    flow_sde  stochastic denoising steps: score from velocity, Flow-SDE, Flow-CPS, learned noise, hybrid masks
     toy2d     2D targets, the exact velocity of a Gaussian mixture, the notebook-00 experiment
 
 Until the next release ``flowlib.flows.ShortCut`` (the old flat module's names) still resolves, with a FutureWarning

@@ -6,11 +6,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flowlib.infra import progress
-from flowlib.infra.guards import require_finite
-from flowlib.infra.config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields, require
 from flowlib.flows.models import METHODS, FlowModel, MeanFlow, MeanFlowTimes, ReFlow, ShortCut
 from flowlib.flows.nets import ConditionalMLP
+from flowlib.infra import progress
+from flowlib.infra.config import (
+    Fraction,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    check_fields,
+    require,
+)
+from flowlib.infra.guards import require_finite
 
 
 def two_moons(n: int, generator=None, noise: float = 0.05) -> torch.Tensor:

@@ -19,8 +19,16 @@ from pathlib import Path
 from typing import Annotated, Any, Mapping, TypeVar
 
 import yaml
-from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
-from pydantic import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt  # noqa: F401 (re-exported)
+from pydantic import (  # noqa: F401 (re-exported)
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    TypeAdapter,
+    ValidationError,
+)
 
 T = TypeVar("T")
 

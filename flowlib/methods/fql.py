@@ -31,17 +31,17 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from flowlib.policies import bc, chunk_policy
-from flowlib.infra import progress
-from flowlib.rl.buffers import ReplayBuffer
-from flowlib.infra.config import NonNegativeInt, PositiveFloat, PositiveInt
 from flowlib.envs.data import ChunkDataset
 from flowlib.envs.maniskill import is_fast
-from flowlib.infra.guards import require_finite
-from flowlib.rl.learners import ReplayLearner, twin_q_step
-from flowlib.flows.nets import TwinQ, frozen, mlp
-from flowlib.infra.runs import policy_checkpoint
 from flowlib.envs.smdp import ChunkRunner
+from flowlib.flows.nets import TwinQ, frozen, mlp
+from flowlib.infra import progress
+from flowlib.infra.config import NonNegativeInt, PositiveFloat, PositiveInt
+from flowlib.infra.guards import require_finite
+from flowlib.infra.runs import policy_checkpoint
+from flowlib.policies import bc, chunk_policy
+from flowlib.rl.buffers import ReplayBuffer
+from flowlib.rl.learners import ReplayLearner, twin_q_step
 
 
 @dataclass

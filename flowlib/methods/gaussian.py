@@ -26,14 +26,14 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from flowlib.policies import bc, chunk_policy
-from flowlib.infra import progress
-from flowlib.infra.config import NonNegativeInt, PositiveInt
 from flowlib.envs.data import ChunkDataset
 from flowlib.envs.maniskill import is_fast
-from flowlib.flows.flow_sde import gaussian_entropy, gaussian_log_prob
+from flowlib.flows.distributions import gaussian_entropy, gaussian_log_prob
 from flowlib.flows.nets import mlp
+from flowlib.infra import progress
+from flowlib.infra.config import NonNegativeInt, PositiveInt
 from flowlib.methods.reinflow_agent import LOG_PROB_REDUCE
+from flowlib.policies import bc, chunk_policy
 
 
 @dataclass

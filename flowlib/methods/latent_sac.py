@@ -41,14 +41,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from flowlib.rl.buffers import ReplayBuffer
+from flowlib.envs.smdp import ChunkRunner
+from flowlib.flows.distributions import gaussian_entropy
+from flowlib.flows.nets import TwinQ, frozen
 from flowlib.infra.config import NonNegativeFloat, PositiveFloat
-from flowlib.flows.flow_sde import gaussian_entropy
 from flowlib.infra.guards import require_finite
 from flowlib.methods.latent import LatentSteeringAgent
+from flowlib.rl.buffers import ReplayBuffer
 from flowlib.rl.learners import ReplayLearner, twin_q_step
-from flowlib.flows.nets import TwinQ, frozen
-from flowlib.envs.smdp import ChunkRunner
 
 
 @dataclass

@@ -23,15 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
-from flowlib.rl.asymmetric import privileged_width
-from flowlib.policies.awsc import load_from_aw_shortcut_flow
-from flowlib.rl.buffers import RolloutBuffer
-from flowlib.infra.config import Fraction, NonNegativeFloat
-from flowlib.flows.flow_sde import METHODS
-from flowlib.rl.learners import PPOLearner, decisions_per_iteration
-from flowlib.methods.reinflow_agent import LOG_PROB_OVER, LOG_PROB_REDUCE, ReinFlowAgent
-from flowlib.infra.runs import policy_checkpoint
 from flowlib.envs.smdp import ChunkRunner
+from flowlib.flows.flow_sde import METHODS
+from flowlib.infra.config import Fraction, NonNegativeFloat
+from flowlib.infra.runs import policy_checkpoint
+from flowlib.methods.reinflow_agent import LOG_PROB_OVER, LOG_PROB_REDUCE, ReinFlowAgent
+from flowlib.policies.awsc import load_from_aw_shortcut_flow
+from flowlib.rl.asymmetric import privileged_width
+from flowlib.rl.buffers import RolloutBuffer
+from flowlib.rl.learners import PPOLearner, decisions_per_iteration
 
 CRITIC_INPUTS = ("obs", "velocity_features")
 

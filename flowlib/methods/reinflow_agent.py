@@ -26,13 +26,21 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from flowlib.policies import chunk_policy
-from flowlib.rl.asymmetric import CriticStateNorm
-from flowlib.flows.flow_sde import (LEARNED_NOISE, check_method, clamp_mean, full_mask, gaussian_entropy, gaussian_log_prob, hybrid_mask,
-                       sample_chain, stochastic_steps, transition)
+from flowlib.flows.distributions import gaussian_entropy, gaussian_log_prob
+from flowlib.flows.flow_sde import (
+    LEARNED_NOISE,
+    check_method,
+    clamp_mean,
+    full_mask,
+    hybrid_mask,
+    sample_chain,
+    stochastic_steps,
+    transition,
+)
 from flowlib.flows.models import time_grid
 from flowlib.flows.nets import SinusoidalEmbedding, mlp
-
+from flowlib.policies import chunk_policy
+from flowlib.rl.asymmetric import CriticStateNorm
 
 # Which dims of each transition enter the chain's log-prob (the ratio of PPO):
 #   "chunk":         all H x A dims at every step: the exact likelihood of the chain (ReinFlow Eq. 5).
@@ -142,7 +150,7 @@ class ReinFlowAgent(CriticStateNorm, chunk_policy.ChunkPolicy):
 
     ``noise_corr`` (``rho``): each step's noise is equicorrelated along the chunk's ``H`` actions,
     ``Cov = sigma^2 ((1 - rho) I + rho 1 1^T)`` per action dim, and scored with that density
-    (``flow_sde.gaussian_log_prob``).  Independent noise (``rho = 0``) of a few mm per env step averages
+    (``distributions.gaussian_log_prob``).  Independent noise (``rho = 0``) of a few mm per env step averages
     out within a chunk and is corrected by the next; correlated noise moves the whole chunk.
 
     ``freeze_obs_encoder``: the velocity net's ``obs_encoder`` (``ShortCutVelocityUNet1D``, stage 1's

@@ -26,7 +26,8 @@ warm-up's included (a target left at its random start would be what the warm-up 
 (``sigma`` = ``max_noise_std``, clipped to the bound).  ``mu_phi``'s last layer starts at zero: before any actor
 step the deterministic policy is the stage-1 policy exactly, episode for episode.
 
-Learner ``"ppo"`` (``StepResidualPPOAgent``) learns the same correction on-policy instead: the policy is the Gaussian
+Learner ``"td3"`` is ``flowlib.methods.residual_td3`` (``StepResidualTD3Agent``).  Learner ``"ppo"``
+(``flowlib.methods.residual_step_ppo``, ``StepResidualPPOAgent``) learns the same correction on-policy instead: the policy is the Gaussian
 ``r ~ N(mu_phi(s), sigma^2 I)`` (``sigma`` the scheduled exploration std, ``r`` unclipped), the critic a state value
 ``V_psi(s)``, and every env step is a decision of ``learners.PPOLearner`` (GAE over env steps with ``gamma`` per
 step; the clipped surrogate of ``flowlib.rl.ppo``, Schulman et al. 2017, Eq. 7), its log-prob ``A`` Gaussian dims (the
@@ -42,24 +43,24 @@ Evaluation (``flowlib.policies.bc.evaluate``, ``flowlib.tools.evaluate``) runs t
 """
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
 import torch.nn as nn
 
-from flowlib.rl.asymmetric import CriticStateNorm, privileged_width
-from flowlib.rl.buffers import ReplayBuffer, RolloutBuffer
-from flowlib.flows.flow_sde import gaussian_entropy, gaussian_log_prob
-from flowlib.rl.learners import PPOLearner
-from flowlib.flows.nets import TwinQ, mlp
+from flowlib._moved import moved_names
 from flowlib.envs.smdp import ChunkRunner
+from flowlib.flows.nets import mlp
 from flowlib.methods.steering import FlowSteer, steer_options
+from flowlib.rl.asymmetric import CriticStateNorm
+from flowlib.rl.buffers import NStepReturns, ReplayBuffer, RolloutBuffer
 
 
 class StepResidualAgent(CriticStateNorm, FlowSteer):
     """The frozen flow (its deterministic chain from ``x_0 ~ N(0, I)`` proposes each chunk) plus the residual actor
-    ``mu_phi(o, a_b)``, its TD3 twin critics ``Q(o, a_b, r)`` and the Polyak targets of both (module docstring).
+    ``mu_phi(o, a_b)`` (module docstring).  Its learner brings the critics: ``StepResidualTD3Agent``
+    (``flowlib.methods.residual_td3``: twin ``Q(o, a_b, r)`` and the Polyak targets) or ``StepResidualPPOAgent``
+    (``flowlib.methods.residual_step_ppo``: ``V(o, a_b)``); ``isinstance(agent, StepResidualAgent)`` holds for both.
     ``residual_bound`` is ``b``; ``max_noise_std`` the exploration std of ``r``; ``residual_hidden`` the actor's
     hidden sizes, ``value_hidden_dims`` the critics'.  ``correct_gripper`` False keeps ``r``, its exploration and its
     target smoothing at 0 on the last action dim (the gripper), which then runs as the base commands it.
@@ -74,7 +75,7 @@ class StepResidualAgent(CriticStateNorm, FlowSteer):
     the checkpoint)."""
 
     closed_loop = True  # flowlib.policies.bc.evaluate corrects each executed action (correct_step)
-    CLIP_EXPLORATION = True  # TD3 stores the clipped draw; PPO's subclass scores an unclipped one
+    CLIP_EXPLORATION: bool  # TD3 stores the clipped draw; PPO scores an unclipped one
     LEGACY_DROPPED = ("value_net.",)  # written when this agent carried the chain agent's V, untrained
 
     def __init__(self, policy, num_inference_steps: int = 8, min_noise_std: float = 0.01, max_noise_std: float = 0.05,
@@ -104,17 +105,13 @@ class StepResidualAgent(CriticStateNorm, FlowSteer):
         self.register_buffer("residual_mask", mask, persistent=False)  # [A]: 1 where r may act (from the config)
 
     def _build_critics(self, hidden: tuple[int, ...]) -> None:
-        """TD3's twin critics ``Q(s, r)`` and the Polyak targets of the critics and the actor."""
-        self.residual_target = copy.deepcopy(self.residual_net).requires_grad_(False)
-        self.q = TwinQ(self.critic_dim, self.action_dim, hidden)
-        self.q_target = copy.deepcopy(self.q).requires_grad_(False)
+        """The learner's critics, built between the actor and the buffers (the order fixes the initial weights):
+        TD3's twin ``Q`` (``StepResidualTD3Agent``) or PPO's ``V`` (``StepResidualPPOAgent``)."""
+        raise NotImplementedError("build StepResidualTD3Agent or StepResidualPPOAgent: the learner brings the critics")
 
     # parameter groups
     def policy_parameters(self):
         return list(self.residual_net.parameters())
-
-    def value_parameters(self):
-        return list(self.q.parameters())
 
     def set_max_noise_std(self, value: float) -> None:
         self.explore_std.fill_(value)
@@ -180,153 +177,6 @@ class StepResidualAgent(CriticStateNorm, FlowSteer):
         """``r + N(0, sigma^2)`` on the dims ``r`` acts on, clipped to ``[-b, b]`` when ``CLIP_EXPLORATION`` (TD3)."""
         r = r + self.explore_std * torch.randn(r.shape, generator=generator).to(r.device) * self.residual_mask
         return r.clamp(-self.residual_bound, self.residual_bound) if self.CLIP_EXPLORATION else r
-
-    def critic(self, s: torch.Tensor, r: torch.Tensor, target: bool = False) -> torch.Tensor:
-        """``Q_1, Q_2 (s, r)`` ``[2, B]`` (``target``: the Polyak-averaged pair), with ``r / b`` as input, so that the
-        correction enters the critics at the scale of the normalised observations."""
-        return (self.q_target if target else self.q)(s, r / self.residual_bound)
-
-    def critic_1(self, s: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        """``Q_1 (s, r)`` ``[B]`` alone, the critic the actor's deterministic policy gradient follows."""
-        return self.q.q1(s, r / self.residual_bound)
-
-    @torch.no_grad()
-    def update_targets(self, tau: float, actor: bool = True) -> None:
-        """``Q_bar <- (1 - tau) Q_bar + tau Q``, and with ``actor`` the same for ``mu_bar``."""
-        pairs = [(self.q, self.q_target)] + ([(self.residual_net, self.residual_target)] if actor else [])
-        for net, target in pairs:  # one fused op per net, not one per tensor (a TD3 step is overhead-bound on CPU)
-            torch._foreach_lerp_(list(target.parameters()), list(net.parameters()), tau)
-
-
-class StepResidualPPOAgent(StepResidualAgent):
-    """The per-step residual learned on-policy by PPO (learner ``"ppo"``; module docstring).  The same frozen flow,
-    state ``s = (o_t, a_b)`` and bounded mean ``mu_phi(s)`` as TD3's, but the policy is the Gaussian
-    ``r ~ N(mu_phi(s), sigma^2 I)`` on the dims ``r`` acts on, with ``sigma`` the scheduled ``max_noise_std`` (not
-    learned) and ``r`` not clipped, so that its density is exact; the critic is a state value ``V_psi(s)``
-    (``value_hidden_dims``).  Every env step is a decision: ``score_rollout`` turns the collector's steps into the
-    ``RolloutBuffer`` that ``learners.PPOLearner``'s GAE reads, with the state ``s`` in place of the observation window
-    and ``r`` as a one-row chain ``[1, A]``, and ``ppo_view`` is what ``flowlib.rl.ppo.ppo_update`` scores them with."""
-
-    CLIP_EXPLORATION = False  # r is drawn unclipped, so the Gaussian density PPO scores is exact
-
-    def _build_critics(self, hidden: tuple[int, ...]) -> None:  # V(c): c = s, or (state, a_b) when asymmetric
-        self.state_value = mlp([self.critic_dim, *hidden, 1], act=nn.Mish)
-
-    def value_parameters(self):
-        return list(self.state_value.parameters())
-
-    def residual_log_probs(self, s: torch.Tensor, chains: torch.Tensor, stochastic: torch.Tensor | None = None):
-        """``log N(r; mu_phi(s), sigma^2 I)`` over the dims ``r`` acts on, ``[B, 1]``, for ``r = chains[:, 0]``
-        (``chains [B, 1, A]``), and the Gaussian's entropy per dim ``[B]`` (a constant: ``sigma`` is scheduled)."""
-        acts = self.residual_mask.bool()                                                      # [A]
-        r, mu = chains[:, 0, acts], self.residual(s)[:, acts]                                 # [B, A'] each
-        sigma = self.explore_std.expand_as(r)
-        return gaussian_log_prob(r, mu, sigma)[:, None], gaussian_entropy(sigma)
-
-    def joint_log_prob(self, step_log_probs: torch.Tensor, stochastic: torch.Tensor, chains: torch.Tensor):
-        """``[B, 1] -> [B]``: ``r``'s log-density where it was drawn (one Gaussian per decision, summed over its dims)."""
-        return step_log_probs[:, 0] * stochastic[:, 0].to(step_log_probs.dtype)
-
-    def ppo_view(self) -> "_PPOView":
-        return _PPOView(self)
-
-    @torch.no_grad()
-    def score_rollout(self, steps: dict[str, torch.Tensor]) -> RolloutBuffer:
-        """``StepCollector``'s env steps (each field ``[T, N, ...]``) as a ``RolloutBuffer`` of decisions: ``obs`` the
-        state ``s``, ``chains`` ``r [1, A]`` and its log-prob (the policy has not moved since it drew ``r``), ``V(s)``,
-        ``V(s')``, and ``discounts`` = ``bootstrap`` = ``gamma (1 - terminal)`` (``gamma > 0``: only a termination
-        zeroes it).  An asymmetric ``V`` (``privileged_dim``) reads ``c = critic_state(s, state, a_b)`` instead, kept as
-        the buffer's ``states``; its normaliser is fitted on the first rollout's states."""
-        device = self.explore_std.device
-        T, N = steps["reward"].shape
-        if not self.critic_state_fitted:
-            self.fit_critic_normalizer(steps["priv"].flatten(0, 1))
-
-        def state(obs, base):  # [T, N, To, O], [T, N, A] -> [T*N, S]
-            return self.state(obs.flatten(0, 1).to(device), base.flatten(0, 1).to(device))
-
-        def per_env(x):  # [T*N, ...] -> [T, N, ...] on the CPU
-            return x.reshape(T, N, *x.shape[1:]).cpu()
-
-        s, s_next = state(steps["obs"], steps["base"]), state(steps["next_obs"], steps["next_base"])
-        chains = steps["latent"].flatten(0, 1)[:, None].to(device)                           # [T*N, 1, A]
-        stochastic = torch.ones(T * N, 1, dtype=torch.bool, device=device)
-        step_lp, _ = self.residual_log_probs(s, chains, stochastic)
-        log_prob = self.joint_log_prob(step_lp, stochastic, chains)                          # [T*N]
-        c, c_next = s, s_next
-        if self.privileged_dim:  # [T*N, P + A]
-            c = self.critic_state(s, steps["priv"].flatten(0, 1).to(device), steps["base"].flatten(0, 1).to(device))
-            c_next = self.critic_state(s_next, steps["next_priv"].flatten(0, 1).to(device),
-                                       steps["next_base"].flatten(0, 1).to(device))
-        value, next_value = self.state_value(c)[:, 0], self.state_value(c_next)[:, 0]      # [T*N]
-        return RolloutBuffer(obs=per_env(s), chains=per_env(chains), stochastic=per_env(stochastic),
-                             step_log_probs=per_env(step_lp), log_probs=per_env(log_prob), values=per_env(value),
-                             rewards=steps["reward"], discounts=steps["bootstrap"], next_values=per_env(next_value),
-                             terminal=steps["bootstrap"] == 0, ends=steps["end"], weights=torch.ones(T, N),
-                             states=per_env(c) if self.privileged_dim else None)
-
-
-class _PPOView:
-    """What ``flowlib.rl.ppo.ppo_update`` reads of an agent, for the per-step residual's decisions: ``obs`` is the state
-    ``s``, ``value`` is ``V_psi(s)`` (an asymmetric one's: ``V_psi(c)``, ``c`` the batch's ``states``), a chain is
-    ``r [1, A]``."""
-
-    def __init__(self, agent: StepResidualPPOAgent):
-        self.agent = agent
-        self.parameters, self.policy_parameters = agent.parameters, agent.policy_parameters
-        self.value_parameters, self.joint_log_prob = agent.value_parameters, agent.joint_log_prob
-        self.step_log_probs = agent.residual_log_probs
-
-    def value(self, s: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:  # [B, S] (, [B, C]) -> [B]
-        return self.agent.state_value(s if c is None else c).squeeze(-1)
-
-
-class NStepReturns:
-    """Turns the collector's one-step transitions into ``n``-step ones (Sutton & Barto 2018, Eq. 7.1; as in D4PG and
-    Rainbow, without an off-policy correction), so that a reward reaches the critic's target ``n`` steps earlier
-    than through ``n`` bootstraps::
-
-        R = sum_{k<m} (prod_{j<k} g_j) r_{t+k},   bootstrap = prod_{j<m} g_j,   s' = s_{t+m}
-
-    ``g_j`` = ``gamma (1 - terminal)`` of step ``t + j``, ``m = n``, or fewer where the episode ends inside the
-    window (a termination zeroes the bootstrap, a truncation keeps ``gamma^m`` and bootstraps from the last window)
-    or where ``flush`` cuts it.  All envs step together, so a window is the last ``n`` steps' ``[N, ...]`` rows:
-    ``push`` returns the oldest step's ``n``-step rows once ``n`` steps are pending, ``flush`` all pending ones
-    (the rollout was broken off: the runner restarted its episodes).  ``n = 1`` passes each step through."""
-
-    def __init__(self, n: int):
-        if n < 1:
-            raise ValueError(f"td3_n_step must be >= 1, got {n}")
-        self.n, self.pending = n, []
-
-    def push(self, **step: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-        """``step``: one env step's rows of every replay field plus ``end [N]`` (the episode ended there)."""
-        if self.n == 1:  # the default, on the rollout's hot path: nothing to sum (0.2 ms a step saved)
-            step.pop("end")
-            return [step]
-        self.pending.append(step)
-        return [self._pop()] if len(self.pending) == self.n else []
-
-    def flush(self) -> list[dict[str, torch.Tensor]]:
-        return [self._pop() for _ in range(len(self.pending))]
-
-    def _pop(self) -> dict[str, torch.Tensor]:
-        steps, first = self.pending, self.pending[0]
-        r = torch.stack([s["reward"] for s in steps])                                   # [L, N]
-        g = torch.stack([s["bootstrap"] for s in steps])                                # [L, N]
-        end = torch.stack([s["end"] for s in steps]).long()                             # [L, N]
-        before = torch.cumprod(torch.cat([torch.ones_like(g[:1]), g[:-1]]), 0)          # prod_{j<k} g_j
-        inside = (end.cumsum(0) - end) == 0                                             # no end before step k
-        last = torch.where(end.any(0), end.argmax(0), len(steps) - 1)                   # [N]: step m - 1
-        envs = torch.arange(len(last))
-        out = {k: v for k, v in first.items() if k in ("obs", "latent", "base", "priv")}
-        out["reward"] = (inside * before * r).sum(0)
-        out["bootstrap"] = (before * g)[last, envs]
-        for k in [k for k in first if k.startswith("next_")]:  # next_obs, next_base (and next_priv)
-            out[k] = torch.stack([s[k] for s in steps])[last, envs]
-        self.pending = steps[1:]
-        return out
-
 
 class StepCollector:
     """Runs every env one step at a time.  Every ``Ta`` steps all envs re-plan together (one chain for the batch,
@@ -422,20 +272,8 @@ class _Steps(list):
         self.append(row)
 
 
-def step_ppo_agent(policy, cfg, state_dim: int = 0) -> StepResidualPPOAgent:
-    """The per-step residual agent that PPO learns (``cfg``'s ``ResidualConfig``) over a frozen stage-1/2 ``policy``;
-    ``state_dim``: the env's state width, which ``V`` reads with ``asymmetric_critic`` (``flowlib.rl.asymmetric``)."""
-    return StepResidualPPOAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
-                                tuple(cfg.value_hidden_dims), cfg.residual_bound, tuple(cfg.residual_hidden_dims),
-                                correct_gripper=cfg.residual_gripper, act_horizon=cfg.act_horizon, obs_clip=cfg.obs_clip,
-                                privileged_dim=privileged_width(cfg, policy.meta, state_dim))
-
-
-def step_ppo_learner(agent: StepResidualPPOAgent, cfg) -> PPOLearner:
-    """PPO on the per-step residual: every env step a decision (``StepCollector.rollout``), scored through
-    ``ppo_view``."""
-    def make_rollout(agent, runner, generator):
-        collector = StepCollector(agent, runner, generator, n_step=0)
-        return lambda: collector.rollout(cfg.rollout_steps * agent.act_horizon)
-
-    return PPOLearner(agent, cfg, make_rollout, scorer=agent.ppo_view(), name="residual PPO")
+# where the pieces of this module went when it was split (2026-12-07): old imports still work, with a warning
+__getattr__ = moved_names(__name__, {"StepResidualPPOAgent": "flowlib.methods.residual_step_ppo",
+                                     "step_ppo_agent": "flowlib.methods.residual_step_ppo",
+                                     "step_ppo_learner": "flowlib.methods.residual_step_ppo",
+                                     "NStepReturns": "flowlib.rl.buffers"})

@@ -6,7 +6,7 @@ double-Q target with target-policy smoothing (Fujimoto et al. 2018, Eq. 15)::
     y = reward + gamma (1 - terminal) min_j Q_bar_j(s', clip(mu_bar(s') + clip(eps, -c, c), -b, b)),
     eps ~ N(0, td3_target_noise^2)
 
-(with ``td3_n_step`` = n > 1, the n-step return of ``residual_step.NStepReturns``), and every ``td3_policy_delay``
+(with ``td3_n_step`` = n > 1, the n-step return of ``flowlib.rl.buffers.NStepReturns``), and every ``td3_policy_delay``
 critic steps the deterministic policy gradient ``max_phi Q_1(s, mu_phi(s))`` (their Alg. 1) and the Polyak step of
 ``mu_bar``; ``Q_bar`` follows ``Q`` after every critic step, the warm-up's included.
 
@@ -16,18 +16,51 @@ critic steps the deterministic policy gradient ``max_phi Q_1(s, mu_phi(s))`` (th
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from flowlib.rl.asymmetric import privileged_width
-from flowlib.rl.buffers import ReplayBuffer
+from flowlib.flows.nets import TwinQ, frozen
 from flowlib.infra.config import NonNegativeFloat, NonNegativeInt, PositiveInt
 from flowlib.infra.guards import require_finite
-from flowlib.rl.learners import ReplayLearner, twin_q_step
-from flowlib.flows.nets import frozen
 from flowlib.methods.residual_step import StepCollector, StepResidualAgent
+from flowlib.rl.asymmetric import privileged_width
+from flowlib.rl.buffers import ReplayBuffer
+from flowlib.rl.learners import ReplayLearner, twin_q_step
+
+
+class StepResidualTD3Agent(StepResidualAgent):
+    """The per-step residual with TD3's twin critics ``Q(s, r)`` and the Polyak targets of the critics and the actor
+    (module docstring; ``StepResidualAgent`` for the rest)."""
+
+    CLIP_EXPLORATION = True  # the replay stores the draw clipped to +-b, as it ran
+
+    def _build_critics(self, hidden: tuple[int, ...]) -> None:
+        """Twin critics ``Q(s, r)`` and the Polyak targets of the critics and the actor."""
+        self.residual_target = copy.deepcopy(self.residual_net).requires_grad_(False)
+        self.q = TwinQ(self.critic_dim, self.action_dim, hidden)
+        self.q_target = copy.deepcopy(self.q).requires_grad_(False)
+
+    def value_parameters(self):
+        return list(self.q.parameters())
+
+    def critic(self, s: torch.Tensor, r: torch.Tensor, target: bool = False) -> torch.Tensor:
+        """``Q_1, Q_2 (s, r)`` ``[2, B]`` (``target``: the Polyak-averaged pair), with ``r / b`` as input, so that the
+        correction enters the critics at the scale of the normalised observations."""
+        return (self.q_target if target else self.q)(s, r / self.residual_bound)
+
+    def critic_1(self, s: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """``Q_1 (s, r)`` ``[B]`` alone, the critic the actor's deterministic policy gradient follows."""
+        return self.q.q1(s, r / self.residual_bound)
+
+    @torch.no_grad()
+    def update_targets(self, tau: float, actor: bool = True) -> None:
+        """``Q_bar <- (1 - tau) Q_bar + tau Q``, and with ``actor`` the same for ``mu_bar``."""
+        pairs = [(self.q, self.q_target)] + ([(self.residual_net, self.residual_target)] if actor else [])
+        for net, target in pairs:  # one fused op per net, not one per tensor (a TD3 step is overhead-bound on CPU)
+            torch._foreach_lerp_(list(target.parameters()), list(net.parameters()), tau)
 
 
 @dataclass
@@ -54,7 +87,7 @@ def replay_buffer(agent: StepResidualAgent, capacity: int) -> ReplayBuffer:
     return ReplayBuffer(capacity, obs, (A,), base=(A,), next_base=(A,), **priv)
 
 
-def actor_loss(agent: StepResidualAgent, s: torch.Tensor, residual_l2: float = 0.0,
+def actor_loss(agent: StepResidualTD3Agent, s: torch.Tensor, residual_l2: float = 0.0,
                c: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """TD3's actor loss on the states ``s [B, S]``, ``-mean Q_1(c, mu_phi(s)) + residual_l2 mean (mu / b)^2``, and
     ``mu [B, A]`` (``c``: what the critics read, ``s`` unless they are asymmetric).  Its gradient in ``phi`` is the
@@ -66,7 +99,7 @@ def actor_loss(agent: StepResidualAgent, s: torch.Tensor, residual_l2: float = 0
     return -q_pi.mean() + residual_l2 * (mu / agent.residual_bound).pow(2).mean(), mu
 
 
-def td3_update(agent: StepResidualAgent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg,
+def td3_update(agent: StepResidualTD3Agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg,
                train_policy: bool = True) -> dict[str, float]:
     """One critic step on the TD3 target, then (``train_policy``) one actor step and the Polyak step of the
     targets (module docstring).  With ``train_policy`` False only the critics move (warm-up, delayed steps)."""
@@ -95,7 +128,7 @@ def td3_update(agent: StepResidualAgent, batch: dict[str, torch.Tensor], actor_o
     return stats
 
 
-def optimizers(agent: StepResidualAgent, cfg):
+def optimizers(agent: StepResidualTD3Agent, cfg):
     """``(actor_opt, critic_opt)``: Adam over the residual actor and over the twin Q, with torch's fused kernel (one
     pass over all tensors; on CPU a third of the ``foreach`` version's time and a fifth of the default loop's, which
     cost a tenth of a small TD3 step; ``benchmarks/td3_update_speed.py``)."""
@@ -130,16 +163,16 @@ def _ramp(steps_past_start: int, length: int) -> float:
     return min(1.0, max(0.0, steps_past_start / length))
 
 
-def td3_agent(policy, cfg, state_dim: int = 0) -> StepResidualAgent:
+def td3_agent(policy, cfg, state_dim: int = 0) -> StepResidualTD3Agent:
     """The per-step residual agent with TD3's critics (``cfg``'s ``ResidualConfig``) over a frozen ``policy``;
     ``cfg.asymmetric_critic`` needs ``state_dim``, the env's state width (``EnvSpec.state_dim``)."""
-    return StepResidualAgent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
-                             tuple(cfg.value_hidden_dims), cfg.residual_bound, tuple(cfg.residual_hidden_dims),
-                             correct_gripper=cfg.residual_gripper, act_horizon=cfg.act_horizon, obs_clip=cfg.obs_clip,
-                             privileged_dim=privileged_width(cfg, policy.meta, state_dim))
+    return StepResidualTD3Agent(policy, cfg.num_inference_steps, cfg.min_noise_std, cfg.max_noise_std,
+                                tuple(cfg.value_hidden_dims), cfg.residual_bound, tuple(cfg.residual_hidden_dims),
+                                correct_gripper=cfg.residual_gripper, act_horizon=cfg.act_horizon, obs_clip=cfg.obs_clip,
+                                privileged_dim=privileged_width(cfg, policy.meta, state_dim))
 
 
-def td3_learner(agent: StepResidualAgent, cfg) -> ReplayLearner:
+def td3_learner(agent: StepResidualTD3Agent, cfg) -> ReplayLearner:
     """TD3 on the per-step residual: each iteration runs ``rollout_steps x Ta`` env steps of every env into the
     replay, then takes ``replay_updates_per_decision`` critic steps per stored transition (batches of
     ``replay_batch_size``), the actor's every ``td3_policy_delay``-th of them once the iteration starts past

@@ -30,15 +30,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from flowlib.policies import bc
-from flowlib.infra.config import Fraction, NonNegativeInt, PositiveInt
-from flowlib.policies.critic import RFC_MASKS, rfc_mask  # the masks live beside AW-ShortCut's weights (notebook 02 uses both)
 from flowlib.flows.models import ShortCut
+from flowlib.infra.config import Fraction, NonNegativeInt, PositiveInt
 from flowlib.infra.guards import require_finite
+from flowlib.infra.runs import policy_checkpoint
+from flowlib.methods.reinflow import chunk_rollout
+from flowlib.policies import bc
+from flowlib.policies.critic import (  # the masks live beside AW-ShortCut's weights (notebook 02 uses both)
+    RFC_MASKS,
+    rfc_mask,
+)
 from flowlib.rl.learners import PPOLearner
 from flowlib.rl.ppo import explained_variance, ppo_update
-from flowlib.methods.reinflow import chunk_rollout
-from flowlib.infra.runs import policy_checkpoint
 
 
 @dataclass

@@ -25,24 +25,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ClassVar
 
-from flowlib.policies import chunk_policy
 from flowlib.infra import config
-from flowlib.rl import loop
-from flowlib.rl.asymmetric import AsymmetricConfig, asymmetric_problem
-from flowlib.policies.awsc import load_from_aw_shortcut_flow
 from flowlib.infra.config import check_fields, require
+from flowlib.infra.runs import policy_checkpoint
 from flowlib.methods.fql import FQLConfig, fql_agent, fql_learner, fql_offline
 from flowlib.methods.gaussian import GaussianConfig, gaussian_agent, gaussian_bc
 from flowlib.methods.latent import LatentConfig, latent_agent
 from flowlib.methods.latent_sac import SACConfig, latent_sac_agent, sac_learner
-from flowlib.rl.loop import ReplayConfig, RunConfig, read_agent_checkpoint
-from flowlib.rl.ppo import PPOConfig
 from flowlib.methods.reinflow import ChainConfig, ChunkScoreConfig, chain_agent, chain_ppo, chunk_ppo
 from flowlib.methods.residual import ChunkResidualConfig, ResidualConfig, residual_agent
-from flowlib.methods.rfc import RFCConfig, rfc_learner
-from flowlib.methods.residual_step import step_ppo_agent, step_ppo_learner
+from flowlib.methods.residual_step_ppo import step_ppo_agent, step_ppo_learner
 from flowlib.methods.residual_td3 import TD3Config, td3_agent, td3_learner
-from flowlib.infra.runs import policy_checkpoint
+from flowlib.methods.rfc import RFCConfig, rfc_learner
+from flowlib.policies import chunk_policy
+from flowlib.policies.awsc import load_from_aw_shortcut_flow
+from flowlib.rl import loop
+from flowlib.rl.asymmetric import AsymmetricConfig, asymmetric_problem
+from flowlib.rl.loop import ReplayConfig, RunConfig, read_agent_checkpoint
+from flowlib.rl.ppo import PPOConfig
 
 PER_STEP_ADVANTAGES = ("gae", "mc", "nstep")  # what PPO on a per-step residual estimates over env steps
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from flowlib.policies import chunk_policy
-from flowlib.flows.flow_sde import gaussian_entropy, gaussian_log_prob
+from flowlib.flows.distributions import gaussian_entropy, gaussian_log_prob
 from flowlib.flows.models import time_grid
 from flowlib.flows.nets import mlp
+from flowlib.policies import chunk_policy
 
 # The noisy chain's options (``ReinFlowAgent``'s) that mean nothing for a steer, which runs the flow's ODE: each
 # must stay at this default.

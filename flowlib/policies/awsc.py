@@ -46,14 +46,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from flowlib.policies import bc, chunk_policy
-from flowlib.infra import config
-from flowlib.infra.config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields, require
-from flowlib.policies.critic import RFC_MASKS, ChunkCritic, ChunkTransitions, critic_from_state
 from flowlib.envs.data import Episode, demo_dir, load_demos, save_episodes
+from flowlib.infra import config
+from flowlib.infra.config import (
+    Fraction,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    check_fields,
+    require,
+)
 from flowlib.infra.runs import checkpoint_location, load_torch, policy_checkpoint
 from flowlib.infra.tracking import Tracker
-
+from flowlib.policies import bc, chunk_policy
+from flowlib.policies.critic import RFC_MASKS, ChunkCritic, ChunkTransitions, critic_from_state
 
 ROLLOUT_SEED = 1_000_000  # env seeds of the stage-1 rollouts start here (demos from 0, evaluations 10_000+)
 

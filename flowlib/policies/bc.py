@@ -14,24 +14,37 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from flowlib.infra import progress
-from flowlib.policies.chunk_policy import (  # noqa: F401  (bc.<name> keeps working: the protocol and checkpoints moved)
-    CHECKPOINT_FORMAT, AW_CHECKPOINT_FORMAT, POLICY_FORMATS, check_act_horizon, ChunkPolicy, FlowPolicy,
-    build_policy, observation_meta, check_compatible, save_checkpoint, META_DEFAULTS_OBS, META_DEFAULTS,
-    VELOCITY_NETS, features_dim, complete_meta, read_checkpoint, checkpoint_meta, load_policy,
-)
-from flowlib.infra.config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields
 from flowlib.envs.data import ChunkDataset, Episode, Normalizer, generate_demos, load_demos
 from flowlib.envs.maniskill import control_mode as task_control_mode
 from flowlib.envs.maniskill import is_fast
-from flowlib.infra.guards import require_finite
-from flowlib.policies.policy_eval import evaluate  # noqa: F401  (bc.evaluate: what every stage scores a policy with)
-from flowlib.infra.runs import set_rng_state
-from flowlib.infra.schedules import LR_SCHEDULES, warmup_then
 from flowlib.envs.visual import augment_window, check_obs_mode
 from flowlib.envs.visual_demos import VisualChunkDataset, replay_visual
-
-
+from flowlib.infra import progress
+from flowlib.infra.config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields
+from flowlib.infra.guards import require_finite
+from flowlib.infra.runs import set_rng_state
+from flowlib.infra.schedules import LR_SCHEDULES, warmup_then
+from flowlib.policies.chunk_policy import (  # noqa: F401  (bc.<name> keeps working: the protocol and checkpoints moved)
+    AW_CHECKPOINT_FORMAT,
+    CHECKPOINT_FORMAT,
+    META_DEFAULTS,
+    META_DEFAULTS_OBS,
+    POLICY_FORMATS,
+    VELOCITY_NETS,
+    ChunkPolicy,
+    FlowPolicy,
+    build_policy,
+    check_act_horizon,
+    check_compatible,
+    checkpoint_meta,
+    complete_meta,
+    features_dim,
+    load_policy,
+    observation_meta,
+    read_checkpoint,
+    save_checkpoint,
+)
+from flowlib.policies.policy_eval import evaluate  # noqa: F401  (bc.evaluate: what every stage scores a policy with)
 
 
 @dataclass

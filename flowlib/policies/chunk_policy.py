@@ -21,10 +21,10 @@ import torch
 import torch.nn as nn
 
 from flowlib.envs.data import Normalizer
-from flowlib.policies.encoders import build_obs_encoder
 from flowlib.flows.models import ShortCut
-from flowlib.infra.runs import load_torch, rng_state, save_torch
 from flowlib.flows.unet import ChunkVelocityMLP, ShortCutVelocityUNet1D
+from flowlib.infra.runs import load_torch, rng_state, save_torch
+from flowlib.policies.encoders import build_obs_encoder
 
 CHECKPOINT_FORMAT = "flowlib.shortcut_bc/1"
 AW_CHECKPOINT_FORMAT = "flowlib.aw_shortcut/1"  # stage 2: the same contents plus its critic

@@ -39,10 +39,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from flowlib.infra import progress
-from flowlib.infra.guards import require_finite
 from flowlib.envs.data import ChunkDataset, Episode, Normalizer
 from flowlib.flows.nets import mlp
+from flowlib.infra import progress
+from flowlib.infra.guards import require_finite
 
 REWARDS = ("sparse", "dense")
 

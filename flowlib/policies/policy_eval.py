@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from flowlib.infra import progress
 from flowlib.envs.data import Episode
+from flowlib.infra import progress
 
 
 @torch.no_grad()

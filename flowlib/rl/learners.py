@@ -24,9 +24,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from flowlib.rl.buffers import ReplayBuffer, RolloutBuffer
-from flowlib.flows.flow_sde import LOG_2PI
+from flowlib.flows.distributions import LOG_2PI
 from flowlib.infra.guards import require_finite
+from flowlib.rl.buffers import ReplayBuffer, RolloutBuffer
 from flowlib.rl.loop import on_all_cores
 from flowlib.rl.ppo import RunningRewardScaler, explained_variance, ppo_update
 

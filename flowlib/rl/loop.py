@@ -25,12 +25,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flowlib.policies import bc, chunk_policy
+from flowlib.envs.smdp import REACH_ENVS, REWARDS, ChunkRunner
 from flowlib.infra import progress
 from flowlib.infra.config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from flowlib.infra.runs import load_torch, rng_state, save_torch, set_rng_state
 from flowlib.infra.schedules import LR_SCHEDULES, NOISE_SCHEDULES, lr_factor, noise_schedule  # noqa: F401  (kept as loop.<name>)
-from flowlib.envs.smdp import REACH_ENVS, REWARDS, ChunkRunner
+from flowlib.policies import bc, chunk_policy
 
 CHECKPOINT_FORMAT = "flowlib.reinflow/1"  # every stage-3 checkpoint, whatever its method (the name is historical)
 

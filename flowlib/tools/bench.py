@@ -5,12 +5,12 @@ import time
 
 import torch
 
-from flowlib.methods import fql
 from flowlib.envs.maniskill import make_env
+from flowlib.envs.smdp import ChunkRunner
+from flowlib.methods import fql
 from flowlib.methods.reinflow import collect
 from flowlib.methods.residual_step import StepCollector, StepResidualAgent
 from flowlib.methods.residual_td3 import replay_buffer
-from flowlib.envs.smdp import ChunkRunner
 
 
 def peak_memory_mb() -> float:

@@ -38,14 +38,14 @@ import numpy as np
 import pandas as pd
 import torch
 
-from flowlib.policies import bc, chunk_policy
-from flowlib.rl import loop
-from flowlib.infra import progress
-from flowlib.methods import stage3
 from flowlib.envs import visual
 from flowlib.envs.maniskill import make_env, resolve_backend
+from flowlib.infra import progress
 from flowlib.infra.metrics import paired_means, success_rates
 from flowlib.infra.runs import load_torch, provenance, run_dir, save_json, save_text, shown
+from flowlib.methods import stage3
+from flowlib.policies import bc, chunk_policy
+from flowlib.rl import loop
 
 
 def load_checkpoint_policy(path: str | Path, noisy: bool = False):

@@ -15,13 +15,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from flowlib.policies import bc
 from flowlib.flows import flow_sde
-from flowlib.methods import stage3
-from flowlib.infra.config import ConfigError, NonNegativeFloat, NonNegativeInt, PositiveInt, check_fields, require, validate
+from flowlib.infra.config import (
+    ConfigError,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveInt,
+    check_fields,
+    require,
+    validate,
+)
 from flowlib.infra.metrics import sliced_wasserstein
 from flowlib.infra.runs import policy_checkpoint, read_metrics, save_json
 from flowlib.infra.tracking import Tracker
+from flowlib.methods import stage3
+from flowlib.policies import bc
 
 # the comparison's variants: name -> Stage3Config overrides
 VARIANTS: dict[str, dict[str, Any]] = {

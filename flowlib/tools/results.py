@@ -35,9 +35,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from flowlib.tools.evaluate import labels
 from flowlib.infra.metrics import success_rates
 from flowlib.infra.runs import REPO_ROOT, git_commit, outputs_root, save_json, shown
+from flowlib.tools.evaluate import labels
 
 RESULTS_ROOT = REPO_ROOT / "results"
 BUDGET_BYTES = 5 * 2**20  # the whole results/ folder: per-episode files are a few KB each

@@ -41,8 +41,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from flowlib.infra.config import ConfigError, Fraction, NonNegativeInt, check_fields, load_yaml
-from flowlib.tools.run import config_class, parse_overrides, preflight, resolve_parameters
 from flowlib.infra.runs import REPO_ROOT, outputs_root, read_metrics, save_json, shown
+from flowlib.tools.run import config_class, parse_overrides, preflight, resolve_parameters
 
 
 @dataclass
