@@ -57,28 +57,33 @@ from flowlib.infra.tracking import Tracker, start_run
 
 # %% tags=["parameters"]
 # Defaults: chain PPO on FastReach-v0 from an MLP stage-1 policy, a minute or two on 2 CPU cores. Every other
-# stage-3 parameter (flowlib.methods.stage3.ChainPPOConfig) can be set too; params/03_reinflow/ holds the larger runs.
+# stage-3 parameter (flowlib.methods.stage3.ChainPPOConfig) can be set too, grouped by method in
+# `python -m flowlib.run 03_reinflow --show-params chain/ppo`; params/03_reinflow/ holds the larger runs.
+# RunConfig: every method
 seed: int = 0  # the run's seed (nets, noise, minibatches)
 init_checkpoint: str = "01_shortcut_bc/fast_reach_mlp/best_model.pt"  # stage-1/2 best_model.pt, relative to outputs/; "": 01_shortcut_bc/default
-env_id: str = "FastReach-v0"  # the task (ManiSkill, or a fast torch task such as FastReach-v0); the start checkpoint's
+env_id: str = "FastReach-v0"  # the task: ManiSkill's, Meta-World's v3 name or a fast torch task (FastReach-v0); the start checkpoint's task
 num_envs: int = 512  # parallel envs (processes on physx_cpu)
 num_inference_steps: int = 4  # K, the denoising steps of the flow (noisy chain or frozen ODE)
-log_prob_over: str = "executed_last"  # the dims each step scores: "chunk" / "executed_last" (exact) or "executed"
 max_noise_std: float = 0.1  # upper bound of the exploration std at the start; decays to final_noise_std
 final_noise_std: float = 0.04  # that bound at the end of noise_decay_steps
 total_env_steps: int = 2457600  # the run's budget
 rollout_steps: int = 10  # decisions per env per iteration (chunks; a per-step residual: chunks of steps)
-update_epochs: int = 5  # passes over the rollout per update
-minibatch_size: int = 2048  # decisions per gradient step
 actor_lr: float = 0.0001  # the policy's learning rate (0: the policy stays as it starts, a control)
 critic_lr: float = 0.001  # the value / Q nets' learning rate
-target_kl: float = 0.05  # approx KL past which an update stops early (0: never)
 critic_warmup_steps: int = 81920  # iterations that start within these env steps update only the critic
 eval_every: int = 10  # iterations between validations (pick best_model.pt); 0: only before and after
 num_eval_episodes: int = 512  # episodes per evaluation
-run_control: bool = True  # also train the flipped-advantage control, same budget and start (it must get worse)
 run_name: str = "default"  # the run folder, outputs/<notebook>/<run_name>
 wandb_mode: str = "disabled"  # "disabled", "offline" or "online"
+# ChainConfig: read by chain/ppo, chain/rfc
+log_prob_over: str = "executed_last"  # the dims each step scores: "chunk" / "executed_last" (exact) or "executed"
+# PPOConfig: read by chain/ppo, latent/ppo, residual/ppo, residual_step/ppo, chain/rfc, gaussian/ppo
+update_epochs: int = 5  # passes over the rollout per update
+minibatch_size: int = 2048  # decisions per gradient step
+target_kl: float = 0.05  # approx KL past which an update stops early (0: never)
+# other
+run_control: bool = True  # also train the flipped-advantage control, same budget and start (it must get worse)
 
 # %% [markdown]
 # The start is the MLP flow policy that `params/01_shortcut_bc/fast_reach_mlp.yaml` clones from an imperfect

@@ -114,34 +114,30 @@ from flowlib.envs.maniskill import make_env
 from flowlib.infra.tracking import start_run
 
 # %% tags=["parameters"]
-# Defaults: TD3 on a per-step residual, a few iterations; params/06_steering/cpu.yaml is the ~1 h target run.
+# Defaults: TD3 on a per-step residual, a few iterations; params/06_steering/cpu.yaml is the ~1 h target run. Grouped by
+# the dataclass that declares them; every parameter a method reads, with its help:
+# `python -m flowlib.run 06_steering --show-params residual_step/td3` (any steer/learner).
+# RunConfig: every method
 seed: int = 0  # the run's seed (nets, noise, minibatches)
 init_checkpoint: str = ""  # stage-1/2 best_model.pt, relative to outputs/; "": 01_shortcut_bc/default
-env_id: str = "PickCube-v1"  # the task (ManiSkill, or a fast torch task such as FastReach-v0); the start checkpoint's
+env_id: str = "PickCube-v1"  # the task: ManiSkill's, Meta-World's v3 name or a fast torch task (FastReach-v0); the start checkpoint's task
 num_envs: int = 2  # parallel envs (processes on physx_cpu)
 max_episode_steps: int = 100  # the time limit (a truncation: bootstrapped, not terminal)
 backend: str = "auto"  # "auto", "physx_cpu" or "physx_cuda"
 reward: str = "dense"  # "sparse": 1 on success (terminal); "dense": normalized_dense; "shaped": sparse + potential
 reward_scale: float = 1.0  # learning sees reward_scale * r (value targets of O(1)); logged returns are raw
 num_inference_steps: int = 4  # K, the denoising steps of the flow (noisy chain or frozen ODE)
-steer: str = "residual_step"  # what RL moves: "chain", "latent", "residual", "residual_step", "one_step" (FQL), "gaussian"
-learner: str = "td3"  # how: "ppo"; "sac" (latent); "td3" (residual_step); "rfc" (chain); "fql" (one_step)
-residual_bound: float = 0.2  # the bound on |mu| per dim (normalised action units)
-residual_gripper: bool = False  # False leaves the last action dim (the gripper) to the base
-residual_hidden_dims: list[int] = [64, 64]  # mu's MLP
-value_hidden_dims: list[int] = [64, 64]  # V / Q hidden sizes
 min_noise_std: float = 0.005  # lower bound of the exploration std (of whatever the method draws)
 max_noise_std: float = 0.05  # upper bound of the exploration std at the start; decays to final_noise_std
 final_noise_std: float = 0.05  # that bound at the end of noise_decay_steps
 noise_schedule: str = "constant"  # how the bound decays: "constant", "linear" or "exp"
-replay_batch_size: int = 64  # transitions per gradient step
-replay_updates_per_decision: float = 0.25  # gradient steps per stored decision (per env step for a per-step residual): the update-to-data ratio
 total_env_steps: int = 1024  # the run's budget
 rollout_steps: int = 8  # decisions per env per iteration (chunks; a per-step residual: chunks of steps)
 gamma: float = 0.8  # discount per env step
 actor_lr: float = 0.0001  # the policy's learning rate (0: the policy stays as it starts, a control)
 critic_lr: float = 0.0003  # the value / Q nets' learning rate
 critic_warmup_steps: int = 256  # iterations that start within these env steps update only the critic
+value_hidden_dims: list[int] = [64, 64]  # V / Q hidden sizes
 num_eval_episodes: int = 4  # episodes per evaluation
 bench_num_envs: list[int] = [2]  # throughput table
 bench_decisions: int = 2  # chunk decisions per throughput measurement
@@ -149,6 +145,16 @@ num_threads: int = 1  # torch threads (0: torch's default)
 resume: bool = True  # go on from the run folder's last.pt when there is one
 run_name: str = "default"  # the run folder, outputs/<notebook>/<run_name>
 wandb_mode: str = "disabled"  # "disabled", "offline" or "online"
+# MethodChoice: the method
+steer: str = "residual_step"  # what RL moves: "chain", "latent", "residual", "residual_step", "one_step" (FQL), "gaussian"
+learner: str = "td3"  # how: "ppo"; "sac" (latent); "td3" (residual_step); "rfc" (chain); "fql" (one_step)
+# ReplayConfig: read by latent/sac, residual_step/td3, one_step/fql
+replay_batch_size: int = 64  # transitions per gradient step
+replay_updates_per_decision: float = 0.25  # gradient steps per stored decision (per env step for a per-step residual): the update-to-data ratio
+# ResidualConfig: read by residual/ppo, residual_step/td3, residual_step/ppo
+residual_bound: float = 0.2  # the bound on |mu| per dim (normalised action units)
+residual_gripper: bool = False  # False leaves the last action dim (the gripper) to the base
+residual_hidden_dims: list[int] = [64, 64]  # mu's MLP
 
 # %%
 cfg = config.from_globals(stage3.SteeringConfig, globals())

@@ -8,7 +8,8 @@ import pytest
 from jupytext.config import load_jupytext_config
 
 from flowlib.infra.runs import REPO_ROOT
-from flowlib.tools.run import NOTEBOOK_CONFIGS, config_class
+from flowlib.infra.config import ConfigError
+from flowlib.tools.run import NOTEBOOK_CONFIGS, NOTEBOOK_GROUPS, _function, config_class, show_params
 
 NB_DIR = REPO_ROOT / "notebooks"
 SOURCES = sorted(NB_DIR.glob("[0-9]*.py"))
@@ -90,6 +91,33 @@ def test_a_documented_parameters_cell_is_typed_and_helped_as_its_dataclass_says(
     exec(cell.source, namespace)
     values = {k: v for k, v in namespace.items() if not k.startswith("__")}
     assert lines == parameter_lines(cls, values)
+
+
+@pytest.mark.parametrize("stem", sorted(NOTEBOOK_GROUPS))
+def test_a_stage3_parameters_cell_is_grouped_by_method(stem):
+    """Notebooks 03 and 06 list their parameters under a heading per dataclass, saying which methods read it, as
+    ``--show-params`` prints them (regenerate with ``config.parameter_cell`` after a change)."""
+    from flowlib.infra.config import parameter_cell
+
+    cell = next(c for c in jupytext.read(NB_DIR / f"{stem}.py").cells if "parameters" in c.metadata.get("tags", []))
+    lines = cell.source.splitlines()
+    first = next(i for i, line in enumerate(lines) if not line.startswith("#")) - 1  # the first group's heading
+    namespace: dict = {}
+    exec(cell.source, namespace)
+    values = {k: v for k, v in namespace.items() if not k.startswith("__")}
+    groups = _function(NOTEBOOK_GROUPS[stem])(None)
+    assert lines[first:] == parameter_cell(config_class(stem), values, groups)
+
+
+def test_show_params_prints_only_the_groups_a_method_reads():
+    td3 = "\n".join(show_params("06_steering", "residual_step/td3"))
+    assert "td3_policy_delay: int = 2" in td3 and "# TD3Config: read by residual_step/td3" in td3
+    assert "clip_coef" not in td3 and "sac_target_kl" not in td3  # PPO's and SAC's are not its options
+    assert "clip_coef" in "\n".join(show_params("06_steering"))
+    with pytest.raises(ConfigError, match="no stage-3 method 'residual_step/sac': choose one of .*residual_step/td3"):
+        show_params("06_steering", "residual_step/sac")
+    with pytest.raises(ConfigError, match="00_flows_2d has no stage-3 methods"):
+        show_params("00_flows_2d", "chain/ppo")
 
 
 def test_committed_notebooks_hold_no_volatile_metadata():

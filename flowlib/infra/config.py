@@ -285,6 +285,19 @@ def parameter_lines(cls, values: Mapping[str, Any]) -> list[str]:
     return [line(k, v) for k, v in values.items()]
 
 
+def parameter_cell(cls, values: Mapping[str, Any], groups: list[tuple[str, list[str]]]) -> list[str]:
+    """``parameter_lines`` under a ``# heading`` line per group (``groups``: heading, field names in order); the
+    fields of ``values`` no group names come last, under "# other".  papermill reads the lines as one flat list, so
+    ``papermill --help-notebook`` still shows every parameter; the headings are for a reader of the cell."""
+    out, placed = [], set()
+    for heading, names in [*groups, ("other", list(values))]:
+        names = [n for n in names if n in values and n not in placed]
+        if names:
+            out += [f"# {heading}", *parameter_lines(cls, {n: values[n] for n in names})]
+            placed |= set(names)
+    return out
+
+
 def require(checks: list[tuple[bool, str]]) -> None:
     """For ``__post_init__``: raise ``ValueError`` with the message of the first failed check."""
     for ok, msg in checks:

@@ -177,6 +177,23 @@ def method(cfg: Stage3Config) -> Method:
     return METHODS[(cfg.steer, cfg.learner)]
 
 
+def parameter_groups(steer_learner: tuple[str, str] | None = None) -> list[tuple[str, list[str]]]:
+    """Stage 3's fields grouped by the dataclass that declares them, each group headed by who reads it: the run's
+    (``RunConfig``, every method), the method choice, then each method config with its readers.  With
+    ``steer_learner`` only the groups that method reads: the options it shows (``python -m flowlib.run
+    06_steering --show-params residual_step/td3``)."""
+    declared: dict[str, type] = {}
+    for cls in (RunConfig, MethodChoice, *METHOD_CONFIGS):
+        for name in cls.__annotations__:  # its own fields, not its bases'
+            declared.setdefault(name, cls)
+    groups = [(f"{RunConfig.__name__}: every method", RunConfig), (f"{MethodChoice.__name__}: the method", MethodChoice)]
+    for cls in METHOD_CONFIGS:
+        if steer_learner is None or cls in METHODS[steer_learner].configs:
+            readers = ", ".join(f"{s}/{lr}" for (s, lr), m in METHODS.items() if cls in m.configs)
+            groups.append((f"{cls.__name__}: read by {readers}", cls))
+    return [(heading, [n for n, owner in declared.items() if owner is cls]) for heading, cls in groups]
+
+
 # --------------------------------------------------------------------------- the start, agents, checkpoints
 
 

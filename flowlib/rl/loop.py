@@ -42,7 +42,7 @@ class RunConfig:
 
     seed: NonNegativeInt = 0  # the run's seed (nets, noise, minibatches)
     init_checkpoint: str = ""  # stage-1/2 best_model.pt, relative to outputs/; "": 01_shortcut_bc/default
-    env_id: str = "PickCube-v1"  # the task (ManiSkill, or a fast torch task such as FastReach-v0); the start checkpoint's
+    env_id: str = "PickCube-v1"  # the task: ManiSkill's, Meta-World's v3 name or a fast torch task (FastReach-v0); the start checkpoint's task
     act_horizon: NonNegativeInt = 0  # actions executed per chunk decision; 0: the start checkpoint's own
     num_envs: PositiveInt = 2  # parallel envs (processes on physx_cpu)
     max_episode_steps: PositiveInt = 100  # the time limit (a truncation: bootstrapped, not terminal)

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flowlib.infra.config import ConfigError, defaults, load_yaml, parse_yaml, validate
+from flowlib.infra.config import ConfigError, defaults, load_yaml, parameter_cell, parse_yaml, validate
 from flowlib.infra.progress import LINES, PROGRESS_ENV, say
 from flowlib.infra.runs import REPO_ROOT, check_run_name, checkpoint_location, run_dir, run_that_writes, shown
 
@@ -55,6 +55,10 @@ NOTEBOOK_PREFLIGHT = {
     "03_reinflow": "flowlib.methods.stage3:start_problem",
     "06_steering": "flowlib.methods.stage3:start_problem",
 }
+
+# notebooks whose parameters come in groups (``--show-params``, and the order of their parameters cells)
+NOTEBOOK_GROUPS = {"03_reinflow": "flowlib.methods.stage3:parameter_groups",
+                   "06_steering": "flowlib.methods.stage3:parameter_groups"}
 
 
 def _function(spec: str):
@@ -93,6 +97,27 @@ def resolve_parameters(notebook: str, params_file: str | None = None, overrides:
     except ValueError as err:
         raise ConfigError(str(err)) from err
     return values
+
+
+def show_params(notebook: str, method: str = "") -> list[str]:
+    """Every parameter of ``notebook`` with its type, default and help, grouped as its parameters cell groups them
+    (notebooks 03 and 06: by the dataclass that declares it, with the methods that read it); with ``method``
+    (``steer/learner``, notebooks 03 and 06) only the groups that method reads."""
+    cls = config_class(notebook)
+    values = defaults(cls)
+    if notebook not in NOTEBOOK_GROUPS:
+        if method:
+            raise ConfigError(f"{notebook} has no stage-3 methods: --show-params takes no method there")
+        return parameter_cell(cls, values, [])
+    pair = tuple(method.split("/")) if method else None
+    methods = _function(NOTEBOOK_GROUPS[notebook].replace("parameter_groups", "METHODS"))
+    if pair is not None and pair not in methods:
+        raise ConfigError(f"no stage-3 method {method!r}: choose one of (steer/learner) "
+                          f"{', '.join(f'{s}/{lr}' for s, lr in methods)}")
+    groups = _function(NOTEBOOK_GROUPS[notebook])(pair)
+    if pair is not None:
+        values = {n: values[n] for _, names in groups for n in names}
+    return parameter_cell(cls, values, groups)
 
 
 def params_run_name(params_file: str | Path) -> str:
@@ -214,7 +239,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-name", help="folder under outputs/<notebook>/ (default: the params file's stem, else 'default')")
     ap.add_argument("--kernel", default="python3")
     ap.add_argument("--quiet", action="store_true", help="do not show the notebook's output here as it runs")
+    ap.add_argument("--show-params", nargs="?", const="", metavar="STEER/LEARNER",
+                    help="print the notebook's parameters, grouped, with their help, and stop; notebooks 03 and 06: "
+                         "with a method (residual_step/td3), only the groups it reads")
     args = ap.parse_args(argv)
+    if args.show_params is not None:
+        try:
+            print("\n".join(show_params(args.notebook, args.show_params)))
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        return 0
     try:
         params = resolve_parameters(args.notebook, args.params, parse_overrides(args.set), args.run_name)
         problem = preflight(args.notebook, params)
