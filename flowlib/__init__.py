@@ -7,7 +7,7 @@ infra     config, runs, tracking, progress, guards, sysdeps, schedules, metrics,
 flows     models (ReFlow, MeanFlow, ShortCut), nets, unet, distributions, flow_sde, toy2d
 envs      tasks, maniskill (make_env), metaworld_envs, fast_envs, vector, visual, visual_demos, data, smdp
 policies  encoders, chunk_policy, policy_eval, bc (stage 1), critic, awsc (stage 2)
-rl        ppo, buffers, loop, learners, asymmetric
+rl        advantages, ppo, buffers, loop, learners, asymmetric
 methods   reinflow_agent, reinflow, steering, latent, latent_sac, residual, residual_step, residual_td3,
           residual_step_ppo, gaussian, rfc, fql, stage3 (the registry)
 tools     run, evaluate, results, seeds, sweep, export, bench, pirl

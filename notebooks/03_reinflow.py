@@ -161,7 +161,7 @@ print(f"ratio == 1 before any update: {bool((ratio - 1).abs().max() < 1e-4)}")
 # %% [markdown]
 # ## 3 · One rollout, and GAE over chunk decisions
 # A decision runs $T_a$ actions, earning $R_c = \sum_{k<\tau}\gamma^k r_{c+k}$ over the $\tau \le T_a$ steps that ran,
-# so the chunks form a semi-MDP. GAE (Schulman et al. 2016, Eq. 16; `flowlib.rl.ppo.gae`) runs over decisions with the per-decision
+# so the chunks form a semi-MDP. GAE (Schulman et al. 2016, Eq. 16; `flowlib.rl.advantages.gae`) runs over decisions with the per-decision
 # discount $\gamma^\tau$:
 # $$\delta_c = R_c + \gamma^{\tau}(1-\text{term}_c)\,V(s_{c+\tau}) - V(s_c),\qquad A_c = \delta_c + \gamma^{\tau}\lambda\,(1-\text{end}_c)\,A_{c+1}.$$
 # With the sparse reward a success pays 1 and ends the episode (no bootstrap); the time limit bootstraps from $V$.

@@ -1,5 +1,4 @@
 """Flow models: targets against closed forms and finite differences, sampling, losses."""
-import math
 
 import pytest
 import torch
@@ -7,7 +6,6 @@ import torch.nn as nn
 
 from flowlib.flows.models import MeanFlow, ReFlow, ShortCut, interpolate, time_grid
 from flowlib.flows.nets import ConditionalMLP
-from flowlib.flows.toy2d import sample_target
 
 
 @pytest.fixture(autouse=True)

@@ -133,3 +133,37 @@ def test_the_package_index_lists_every_module_under_its_folder():
         doc = (FLOWLIB / f / "__init__.py").read_text().split('"""')[1]
         described = set(re.findall(r"^    (\w+)\s", doc, re.M))
         assert mods <= described, f"describe {sorted(mods - described)} in flowlib/{f}/__init__.py's docstring"
+
+
+# third-party packages that are optional extras or slow to import: the only imports a function may hold (each loaded
+# where it is needed, so that `python -m flowlib.results check` or a fast task does not start ManiSkill or torch)
+LAZY = {"mani_skill", "sapien", "metaworld", "papermill", "nbconvert", "jupyter_server_mathjax", "ray", "wandb",
+        "ipywidgets", "tqdm", "torch"}
+
+
+def function_imports(path: Path) -> list[str]:
+    """The top-level package of every import inside a function of ``path`` (``.`` for a relative one), in order."""
+    out = []
+
+    def visit(node, in_function):
+        if in_function and isinstance(node, ast.Import):
+            out.extend(a.name.split(".")[0] for a in node.names)
+        elif in_function and isinstance(node, ast.ImportFrom):
+            out.append("." if node.level else node.module.split(".")[0])
+        for child in ast.iter_child_nodes(node):
+            visit(child, in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    visit(ast.parse(path.read_text()), False)
+    return out
+
+
+def test_imports_inside_functions_are_only_optional_or_heavy_packages():
+    """Every other import sits at the top of its module, where a reader (and this test's layering) sees it."""
+    bad = [f"{m}: {name}" for m, p in modules().items() for name in function_imports(p) if name not in LAZY]
+    assert not bad, "move these imports to the top of their module (or add a slow optional package to LAZY):\n" + "\n".join(bad)
+
+
+def test_the_function_import_walk_sees_nested_and_relative_imports(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("import numpy\ndef f():\n    def g():\n        import h5py\n    from . import x\n    import torch.nn\n")
+    assert function_imports(src) == ["h5py", ".", "torch"]

@@ -7,8 +7,8 @@ import nbformat
 import pytest
 from jupytext.config import load_jupytext_config
 
-from flowlib.infra.runs import REPO_ROOT
 from flowlib.infra.config import ConfigError
+from flowlib.infra.runs import REPO_ROOT
 from flowlib.tools.run import NOTEBOOK_CONFIGS, NOTEBOOK_GROUPS, _function, config_class, show_params
 
 NB_DIR = REPO_ROOT / "notebooks"

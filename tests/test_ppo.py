@@ -8,7 +8,7 @@ from test_flow_sde import agent_for
 
 from flowlib.infra import grad_signal
 from flowlib.methods import reinflow, stage3
-from flowlib.rl import ppo
+from flowlib.rl import advantages, ppo
 
 
 def rollout(T=6, N=3, seed=0):
@@ -27,8 +27,8 @@ def rollout(T=6, N=3, seed=0):
 
 def test_gae_at_lambda_one_equals_mc_returns_minus_values():
     R, V, V_next, disc, term, ends = rollout()
-    adv, ret = ppo.gae(R, V, V_next, disc, term, ends, lam=1.0)
-    mc = ppo.mc_returns(R, V_next, disc, term, ends)
+    adv, ret = advantages.gae(R, V, V_next, disc, term, ends, lam=1.0)
+    mc = advantages.mc_returns(R, V_next, disc, term, ends)
     assert torch.allclose(adv, mc - V, atol=1e-6) and torch.allclose(ret, mc, atol=1e-6)
     # by hand, env 0 (terminates at t=1): G_1 = R_1, G_0 = R_0 + g_0 R_1
     assert torch.isclose(mc[0, 0], R[0, 0] + disc[0, 0] * R[1, 0])
@@ -39,20 +39,20 @@ def test_gae_at_lambda_one_equals_mc_returns_minus_values():
 def test_nstep_is_td0_at_one_and_mc_beyond_the_rollout():
     R, V, V_next, disc, term, ends = rollout()
     td0 = R + disc * (~term).float() * V_next
-    assert torch.allclose(ppo.nstep_returns(R, V_next, disc, term, ends, 1), td0, atol=1e-6)
-    assert torch.allclose(ppo.nstep_returns(R, V_next, disc, term, ends, 50),
-                          ppo.mc_returns(R, V_next, disc, term, ends), atol=1e-6)
-    two = ppo.nstep_returns(R, V_next, disc, term, ends, 2)
+    assert torch.allclose(advantages.nstep_returns(R, V_next, disc, term, ends, 1), td0, atol=1e-6)
+    assert torch.allclose(advantages.nstep_returns(R, V_next, disc, term, ends, 50),
+                          advantages.mc_returns(R, V_next, disc, term, ends), atol=1e-6)
+    two = advantages.nstep_returns(R, V_next, disc, term, ends, 2)
     # env 2, t=2: no end at t=2, so R_2 + g_2 R_3 + g_2 g_3 V(s_4)
     assert torch.isclose(two[2, 2], R[2, 2] + disc[2, 2] * R[3, 2] + disc[2, 2] * disc[3, 2] * V_next[3, 2])
     with pytest.raises(ValueError, match="n_step"):
-        ppo.nstep_returns(R, V_next, disc, term, ends, 0)
+        advantages.nstep_returns(R, V_next, disc, term, ends, 0)
 
 
 def test_grpo_advantages_have_zero_mean_and_unit_spread_per_group():
     scores = torch.tensor([1.0, 0.0, 0.0, 0.9, 0.5, 0.5, 3.0])
     groups = torch.tensor([0, 0, 0, 1, 1, 1, 2])
-    adv = ppo.grpo_advantages(scores, groups)
+    adv = advantages.grpo_advantages(scores, groups)
     for g in (0, 1):
         assert abs(float(adv[groups == g].mean())) < 1e-6
     assert torch.isclose(adv[groups == 0].std(), torch.tensor(1.0), atol=1e-4)
@@ -62,14 +62,14 @@ def test_grpo_advantages_have_zero_mean_and_unit_spread_per_group():
 
 def test_branch_advantages_are_leave_one_out_and_cancel_what_the_branches_share():
     q = torch.tensor([[1.0, 5.0], [3.0, 5.0], [8.0, 2.0]])            # [M = 3 branches, 2 states]
-    adv = ppo.branch_advantages(q)
+    adv = advantages.branch_advantages(q)
     assert torch.allclose(adv[:, 0], torch.tensor([1 - 5.5, 3 - 4.5, 8 - 2.0]))
     assert torch.allclose(adv[:, 1], torch.tensor([5 - 3.5, 5 - 3.5, 2 - 5.0]))
-    shifted = ppo.branch_advantages(q + torch.tensor([100.0, -7.0]))   # a per-state offset (V(s), its error)
+    shifted = advantages.branch_advantages(q + torch.tensor([100.0, -7.0]))   # a per-state offset (V(s), its error)
     assert torch.allclose(shifted, adv)
-    assert torch.allclose(ppo.branch_advantages(q[:2]), torch.tensor([[-2.0, 0.0], [2.0, 0.0]]))
+    assert torch.allclose(advantages.branch_advantages(q[:2]), torch.tensor([[-2.0, 0.0], [2.0, 0.0]]))
     with pytest.raises(ValueError, match=">= 2 branches"):
-        ppo.branch_advantages(q[:1])
+        advantages.branch_advantages(q[:1])
 
 
 def test_dual_clip_bounds_the_loss_for_negative_advantages():
@@ -314,17 +314,17 @@ def test_the_running_reward_scaler_divides_by_the_std_of_the_discounted_return_a
     moves it by less than 1e-3), and a scaler restored from its state_dict scales the next rollout the same way."""
     rewards, discounts = torch.ones(5, 1), torch.full((5, 1), 0.5)
     ends = torch.tensor([[False], [False], [True], [False], [False]])
-    scaler = ppo.RunningRewardScaler()
+    scaler = advantages.RunningRewardScaler()
     scaled = scaler(rewards, discounts, ends)
     G = torch.tensor([1.0, 1.5, 1.75, 1.0, 1.5], dtype=torch.float64)
     assert abs(scaler.var - G.var(unbiased=False).item()) < 1e-3 and abs(scaler.mean - G.mean().item()) < 1e-3
     assert torch.allclose(scaled, rewards / math.sqrt(scaler.var + 1e-8))
     assert scaler.returns.tolist() == [0.5 * 1.5]  # carried into the next rollout, discounted
-    twin = ppo.RunningRewardScaler()
+    twin = advantages.RunningRewardScaler()
     twin.load_state_dict(scaler.state_dict())
     more = torch.tensor([[2.0], [0.0]])
     assert torch.equal(scaler(more, discounts[:2], ends[:2]), twin(more, discounts[:2], ends[:2]))
-    big = ppo.RunningRewardScaler(clip=1.0)
+    big = advantages.RunningRewardScaler(clip=1.0)
     assert big(torch.tensor([[100.0], [0.0]]), discounts[:2], ends[:2]).max() == 1.0  # clipped at +-clip
 
 

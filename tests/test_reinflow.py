@@ -20,7 +20,7 @@ from flowlib.infra.config import ConfigError
 from flowlib.infra.tracking import Tracker
 from flowlib.methods import reinflow, reinflow_agent, stage3
 from flowlib.policies import bc
-from flowlib.rl import loop, ppo
+from flowlib.rl import advantages, loop, ppo
 from flowlib.tools import evaluate
 
 OBS_DIM, ACT_DIM = 42, 4  # PickCube-v1, state obs, pd_ee_delta_pos
@@ -290,7 +290,7 @@ def test_gae_matches_a_hand_worked_example_with_a_termination_and_a_truncation()
     disc = torch.tensor([[g ** 8], [g ** 3], [g ** 8], [g ** 8]])
     terminal = torch.tensor([[False], [True], [False], [False]])
     ends = torch.tensor([[False], [True], [False], [True]])
-    adv, ret = ppo.gae(R, V, next_V, disc, terminal, ends, lam)
+    adv, ret = advantages.gae(R, V, next_V, disc, terminal, ends, lam)
     d3 = 1.5 + g ** 8 * 7.0 - 40.0                 # truncation bootstraps from V(last obs)
     d2 = 0.5 + g ** 8 * 40.0 - 30.0
     d1 = 2.0 - 20.0                                  # termination: no bootstrap

@@ -1,6 +1,5 @@
 """The ReinFlow ablation sweep: 22 valid parameter files, a dry-run plan, resumability, failures
 recorded without stopping the others, and the monitor."""
-import json
 from pathlib import Path
 
 import pytest

@@ -24,10 +24,12 @@ and its seed alone: ``flowlib.tools.evaluate`` uses it.  Training keeps the fast
 """
 from __future__ import annotations
 
+import difflib
 import functools
 import platform
 from pathlib import Path
 
+import gymnasium as gym
 import numpy as np
 import torch
 
@@ -37,6 +39,7 @@ from flowlib.envs.metaworld_envs import MetaWorldVecEnv, check_task, is_metaworl
 from flowlib.envs.tasks import task
 from flowlib.envs.vector import vector_env
 from flowlib.envs.visual import VISUAL_MODES, check_obs_mode, make_visual_env
+from flowlib.infra import sysdeps
 
 
 def clear_grasp_at_reset(env_id: str, obs):
@@ -78,8 +81,6 @@ def check_env_id(env_id: str) -> None:
         return check_task(env_id)
     ids = known_env_ids()
     if env_id not in ids:
-        import difflib
-
         close = difflib.get_close_matches(env_id, ids, n=3)
         raise ValueError(f"unknown ManiSkill env id {env_id!r}" + (f"; did you mean {close}?" if close else "")
                          + f" (e.g. PickCube-v1, PushCube-v1, StackCube-v1; fast torch tasks: {sorted(FAST_TASKS)}; "
@@ -101,7 +102,6 @@ def _make_cpu_env(env_id, obs_mode, control_mode, reward_mode, max_episode_steps
     """One single-process CPU env (numpy in/out), termination ignored: built inside the worker.  ``fresh_scene``:
     a new PhysX scene at every reset (module docstring).  A visual ``obs_mode`` packs each observation
     (``flowlib.envs.visual``)."""
-    import gymnasium as gym
     import mani_skill.envs  # noqa: F401
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
@@ -118,7 +118,6 @@ def _make_cpu_env(env_id, obs_mode, control_mode, reward_mode, max_episode_steps
 
 @functools.cache
 def _restorable_wrapper():
-    import gymnasium as gym
 
     class _Restorable(gym.Wrapper):
         """Outermost wrapper of a CPU worker's env: ``snapshot()`` returns the simulator state (ManiSkill's
@@ -162,7 +161,6 @@ class ManiSkillVecEnv:
         control_mode = control_mode or task(env_id).control_mode
         self.device = torch.device("cuda" if self.backend == "physx_cuda" else "cpu")
         if self.backend == "physx_cuda":
-            import gymnasium as gym
             import mani_skill.envs  # noqa: F401
             from mani_skill.vector.wrappers.gymnasium import ManiSkillVectorEnv
 
@@ -324,8 +322,6 @@ def enable_physx_gpu() -> None:
 def _check_vulkan() -> None:
     if torch.cuda.is_available():
         return
-    from flowlib.infra import sysdeps
-
     if sysdeps.mesa_major() is not None and not sysdeps.vulkan_ready():
         raise RuntimeError(f"ManiSkill on CPU needs Vulkan from Mesa >= {sysdeps.MESA_MIN_MAJOR} (found Mesa "
                            f"{sysdeps.mesa_major()}); run `make system-deps` (as root) to install it")

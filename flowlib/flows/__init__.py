@@ -1,7 +1,7 @@
 """flows: the generative models and their stochastic samplers (imports infra only).
 
     models    ReFlow, MeanFlow, ShortCut; the time convention (t = 0 noise, t = 1 data); the sampler
-    nets      velocity networks with the interface net(x, t, d, obs); MLPs, twin Q
+    nets      velocity networks with the interface net(x, t, d, obs); MLPs, twin Q; ReinFlow's noise net
     unet      ShortCutVelocityUNet1D, the 1D temporal U-Net over action chunks; ChunkVelocityMLP
     distributions  diagonal and chunk-correlated Gaussians: log-densities, entropies, correlated noise
     flow_sde  stochastic denoising steps: score from velocity, Flow-SDE, Flow-CPS, learned noise, hybrid masks

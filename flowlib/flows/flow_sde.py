@@ -35,7 +35,7 @@ so the mean is ``s x_1_hat + (1 - s) cos(pi a / 2) x_0_hat`` and the std ``(1 - 
 last step (``s = 1``) has std 0: it is deterministic and never enters a log-probability.
 
 ReinFlow / Flow-Noise: the mean is the Euler step ``x + v dt`` and the std comes from a learned
-noise net (``flowlib.methods.reinflow_agent.ExploreNoiseNet``).
+noise net (``flowlib.flows.nets.ExploreNoiseNet``).
 """
 from __future__ import annotations
 

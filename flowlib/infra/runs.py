@@ -7,6 +7,7 @@ run through ``python -m flowlib.run``, the executed notebook.  ``FLOWLIB_OUTPUTS
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import platform
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # flowlib/infra/runs.py
@@ -213,8 +215,6 @@ def save_figure(fig, run_path: Path, name: str, dpi: int = 110) -> Path:
     """Save a matplotlib figure as ``<run>/<name>.png``, after ``check_figure``: every axis with a scale is
     labelled, and a plot whose values are all zero says so (on the small defaults a success of 0 is a result, not
     a broken plot)."""
-    import io
-
     problems = check_figure(fig)
     if problems:
         raise ValueError(f"figure {name!r}: " + "; ".join(problems))
@@ -226,8 +226,6 @@ def save_figure(fig, run_path: Path, name: str, dpi: int = 110) -> Path:
 def check_figure(fig) -> list[str]:
     """What a reader of ``fig`` would miss: an axis with tick labels but no label (its own, or that of an axes
     sharing it); and it writes the values on bars that are all zero and a note on axes whose lines are all zero."""
-    import numpy as np
-
     problems = []
     for ax in fig.axes:
         if not ax.axison or ax.images or not (ax.lines or ax.patches or ax.collections):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from flowlib._moved import moved_names
 from flowlib.flows.distributions import gaussian_entropy, gaussian_log_prob
 from flowlib.flows.flow_sde import (
     LEARNED_NOISE,
@@ -38,7 +39,7 @@ from flowlib.flows.flow_sde import (
     transition,
 )
 from flowlib.flows.models import time_grid
-from flowlib.flows.nets import SinusoidalEmbedding, mlp
+from flowlib.flows.nets import ExploreNoiseNet, NoisyVelocityUNet1D, mlp
 from flowlib.policies import chunk_policy
 from flowlib.rl.asymmetric import CriticStateNorm
 
@@ -62,60 +63,6 @@ LOG_PROB_OVER = ("chunk", "executed_last", "executed")
 #               bounds the average per-dim move, while with "sum" a clip of 0.2 on a 100+-dim ratio allows
 #               ~0.002 per dim.  Under Adam the gradient's scale does not matter, only this trust region.
 LOG_PROB_REDUCE = ("sum", "mean", "mean_dim")
-
-
-# --------------------------------------------------------------------------- noise
-
-
-class ExploreNoiseNet(nn.Module):
-    """``(t_k, obs window) -> noise_std [B, A]`` in ``[min_noise_std, max_noise_std]`` (ReinFlow, Sec. 4.2).
-
-    ``min + (max - min) * sigmoid(mlp([emb(t), obs]))``: bounded below so the chain stays
-    stochastic (log-probs stay finite), above so exploration stays near the data.  ``max_noise_std``
-    is a buffer that the noise schedule lowers during training.
-    """
-
-    def __init__(self, obs_in: int, action_dim: int, min_noise_std: float = 0.01, max_noise_std: float = 0.3,
-                 hidden: int = 128, emb_dim: int = 32):
-        super().__init__()
-        if not 0 < min_noise_std <= max_noise_std:
-            raise ValueError(f"need 0 < min_noise_std <= max_noise_std, got {min_noise_std}, {max_noise_std}")
-        self.t_emb = SinusoidalEmbedding(emb_dim, scale=100.0)
-        self.body = mlp([emb_dim + obs_in, hidden, hidden, action_dim], act=nn.Mish)
-        self.min_noise_std = min_noise_std
-        self.register_buffer("max_noise_std", torch.tensor(float(max_noise_std)))
-
-    def forward(self, t: torch.Tensor, obs_flat: torch.Tensor) -> torch.Tensor:  # [B], [B, To*O] -> [B, A]
-        z = self.body(torch.cat([self.t_emb(t), obs_flat], -1))
-        lo = self.min_noise_std
-        hi = torch.clamp(self.max_noise_std, min=lo)
-        return lo + (hi - lo) * torch.sigmoid(z)
-
-
-class NoisyVelocityUNet1D(nn.Module):
-    """The base velocity net plus the noise net: ``(x, t, d, obs) -> (velocity, noise, noise_std)``.
-
-    ``velocity [B, H, A]``, ``noise_std [B, A]`` and ``noise = noise_std * eps [B, H, A]`` (the
-    per-dimension std is shared across the chunk's ``H`` steps; ``eps`` from ``generator``).
-    """
-
-    def __init__(self, base: nn.Module, noise_net: ExploreNoiseNet, visual: bool = False):
-        super().__init__()
-        self.base, self.noise_net, self.visual = base, noise_net, visual
-
-    def obs_input(self, obs: torch.Tensor) -> torch.Tensor:
-        """What the noise and value nets read of a normalised window ``[B, To, O]``: the flat window, or for a visual
-        policy the velocity net's ``obs_encoder`` embedding ``[B, obs_emb_dim]``, detached (pixels are too wide for an
-        MLP head, and these heads do not train the encoder)."""
-        if self.visual:
-            return self.base.obs_encoder(obs.flatten(1)).detach()
-        return obs.flatten(1)
-
-    def forward(self, x, t, d, obs, generator: torch.Generator | None = None):
-        velocity = self.base(x, t, d, obs)                                   # [B, H, A]
-        noise_std = self.noise_net(t, self.obs_input(obs))                    # [B, A]
-        eps = torch.randn(x.shape, generator=generator).to(x.device)
-        return velocity, noise_std[:, None, :] * eps, noise_std
 
 
 # --------------------------------------------------------------------------- agent
@@ -440,3 +387,7 @@ class ReinFlowAgent(CriticStateNorm, chunk_policy.ChunkPolicy):
         else:
             chain, _ = self.sample(obs_window, generator, deterministic=True, x0=x0)
         return self.actions(chain)
+
+
+# what moved to flowlib.flows.nets (2026-12-07): old imports still work, with a warning
+__getattr__ = moved_names(__name__, {"ExploreNoiseNet": "flowlib.flows.nets", "NoisyVelocityUNet1D": "flowlib.flows.nets"})

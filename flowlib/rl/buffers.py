@@ -1,7 +1,7 @@
 """The data of one stage-3 iteration: on-policy rollouts of chunk decisions and an off-policy replay.
 
 ``RolloutBuffer`` holds one PPO iteration's decisions, time-major ``[T, N, ...]``, and turns them into advantages
-and value targets with the estimators of ``flowlib.rl.ppo`` (GAE, Monte-Carlo, n-step, GRPO, branch).
+and value targets with the estimators of ``flowlib.rl.advantages`` (GAE, Monte-Carlo, n-step, GRPO, branch).
 ``ReplayBuffer`` is a ring of transitions for the off-policy learners (SAC over ``x_0``, TD3 on a per-step residual).
 Neither knows which stage-3 method filled it: a decision's "chain" is whatever the method scores (a denoising chain
 ``[K+1, H, A]``; a steer's one draw and its chunk ``[2, H, A]``, ``flowlib.methods.steering``; or a per-step residual
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flowlib.rl import ppo
+from flowlib.rl.advantages import branch_advantages, gae, grpo_advantages, mc_returns, nstep_returns
 
 
 @dataclass
@@ -45,27 +45,27 @@ class RolloutBuffer:
                 **({"states": self.states.reshape(n, -1)} if self.states is not None else {})}
 
     def advantages(self, cfg) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(advantages, returns)`` ``[T, N]`` by ``cfg.advantage`` (``flowlib.rl.ppo``); returns are the value targets."""
+        """``(advantages, returns)`` ``[T, N]`` by ``cfg.advantage`` (``flowlib.rl.advantages``); returns are the value targets."""
         args = (self.rewards, self.next_values, self.discounts, self.terminal, self.ends)
         if cfg.advantage == "gae":
-            return ppo.gae(self.rewards, self.values, self.next_values, self.discounts, self.terminal, self.ends,
-                           cfg.gae_lambda)
+            return gae(self.rewards, self.values, self.next_values, self.discounts, self.terminal, self.ends,
+                       cfg.gae_lambda)
         if cfg.advantage == "branch":  # [T, M*N]: Q_m = R_m + gamma^tau V(s'_m), leave-one-out over the M branches
             q = self.rewards + self.discounts * (~self.terminal) * self.next_values
             T, M = q.shape[0], cfg.branches
-            adv = ppo.branch_advantages(q.reshape(T, M, -1).transpose(0, 1)).transpose(0, 1).reshape(T, -1)
+            adv = branch_advantages(q.reshape(T, M, -1).transpose(0, 1)).transpose(0, 1).reshape(T, -1)
             return adv, q
         if cfg.advantage == "nstep":
-            returns = ppo.nstep_returns(*args, cfg.n_step)
+            returns = nstep_returns(*args, cfg.n_step)
             return returns - self.values, returns
-        returns = ppo.mc_returns(*args)
+        returns = mc_returns(*args)
         if cfg.advantage == "mc":
             return returns - self.values, returns
         # grpo: every env ran one episode from its group's seed; score = its discounted return
         before = torch.cumprod(torch.cat([torch.ones_like(self.discounts[:1]), self.discounts[:-1]]), 0)
         scores = (before * self.rewards * self.weights).sum(0)                               # [N]
         groups = torch.arange(scores.shape[0]) // cfg.group_size
-        return ppo.grpo_advantages(scores, groups)[None].expand_as(self.rewards).clone(), returns
+        return grpo_advantages(scores, groups)[None].expand_as(self.rewards).clone(), returns
 
 
 class ReplayBuffer:

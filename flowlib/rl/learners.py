@@ -26,9 +26,10 @@ import torch.nn as nn
 
 from flowlib.flows.distributions import LOG_2PI
 from flowlib.infra.guards import require_finite
+from flowlib.rl.advantages import RunningRewardScaler
 from flowlib.rl.buffers import ReplayBuffer, RolloutBuffer
 from flowlib.rl.loop import on_all_cores
-from flowlib.rl.ppo import RunningRewardScaler, explained_variance, ppo_update
+from flowlib.rl.ppo import explained_variance, ppo_update
 
 
 def twin_q_step(q: torch.Tensor, y: torch.Tensor, critic_opt, params, max_grad_norm: float,

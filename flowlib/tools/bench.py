@@ -1,6 +1,7 @@
 """Measurements of a stage-3 agent in the loop: the policy's share of an env step, and peak memory."""
 from __future__ import annotations
 
+import resource
 import time
 
 import torch
@@ -17,8 +18,6 @@ def peak_memory_mb() -> float:
     """Peak GPU memory (CUDA) or peak resident memory of this process (CPU), in MiB."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**20
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from flowlib.infra.config import ConfigError, defaults, load_yaml, parameter_cell, parse_yaml, validate
 from flowlib.infra.progress import LINES, PROGRESS_ENV, say
 from flowlib.infra.runs import REPO_ROOT, check_run_name, checkpoint_location, run_dir, run_that_writes, shown
+from flowlib.policies.chunk_policy import checkpoint_meta
 
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 
@@ -187,8 +188,6 @@ def ensure_checkpoint(path: Path) -> Path:
 def start_checkpoint_problem(path: Path, key: str, env_id: str) -> str:
     """Why the flow-policy checkpoint ``path`` (parameter ``key``) cannot start a run on ``env_id`` ("" if it can):
     not a torch file, not a stage-1/2 policy, or a policy of another task."""
-    from flowlib.policies.chunk_policy import checkpoint_meta
-
     try:
         meta = checkpoint_meta(path)
     except ValueError as err:

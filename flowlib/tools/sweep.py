@@ -40,6 +40,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
+
 from flowlib.infra.config import ConfigError, Fraction, NonNegativeInt, check_fields, load_yaml
 from flowlib.infra.runs import REPO_ROOT, outputs_root, read_metrics, save_json, shown
 from flowlib.tools.run import config_class, parse_overrides, preflight, resolve_parameters
@@ -263,7 +266,6 @@ def category(variant: str) -> str:
 def load_sweep(sweep_dir: str | Path):
     """Every finished job's metrics as one DataFrame: ``job, variant, category, seed`` + logged columns,
     and one row per job of its summary (``before`` / ``after`` success, train time)."""
-    import pandas as pd
 
     sweep_dir = Path(sweep_dir)
     meta_path = sweep_dir / "sweep.json"
@@ -297,8 +299,6 @@ def summarize(curves, finals, level: float = 0.9, metric: str = "train/success_o
     seed never does, and how many did), final deterministic success (mean, std), its gain over the
     same run's start on the same episodes (mean, std), stability (std of the metric over the second
     half of the run, mean over seeds) and seconds per iteration."""
-    import numpy as np
-    import pandas as pd
 
     rows = []
     for (variant, cat), runs in finals.groupby(["variant", "category"]):
