@@ -13,16 +13,42 @@ and PickCube's reach / grasp / place terms), and knows nothing of the policy.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from flowlib.envs.tasks import PICKCUBE_FINGERS, PICKCUBE_OBJ_TO_GOAL, PICKCUBE_OBS_DIM, PICKCUBE_TCP_TO_OBJ, TASKS
+from flowlib.infra.config import NonNegativeFloat, PositiveFloat
 
 REWARDS = ("sparse", "dense", "shaped")
 # the tasks whose reach / grasp-gap / place learning terms are written (flowlib.envs.tasks); PickCube's normalized dense
 # reward is the reach term / 5 until the cube is grasped
 REACH_ENVS = tuple(env_id for env_id, t in TASKS.items() if t.shaped_terms)
+
+
+@dataclass
+class ShapingConfig:
+    """The learning terms a task's dense or shaped reward may add (``ChunkRunner``), written for ``REACH_ENVS``
+    (PickCube) only: options of the task rather than of the run, each 0 (off) elsewhere (``shaping_checks``)."""
+
+    reach_weight: NonNegativeFloat = 0.0  # PickCube, dense / shaped: weight of 1 - tanh(reach_sharpness |cube - tcp|)
+    reach_sharpness: PositiveFloat = 5.0  # 1/m, of the reach term (ManiSkill's own is 5; 20 pays the last cm)
+    grasp_min_gap: NonNegativeFloat = 0.0  # PickCube, dense / shaped: a grasp counts only with fingers at least this far apart (m)
+    place_weight: NonNegativeFloat = 0.0  # PickCube, dense / shaped: weight of 1 - tanh(place_sharpness |goal - cube|)
+    place_sharpness: PositiveFloat = 20.0  # 1/m, of the place term
+
+    def shaping_checks(self) -> list[tuple[bool, str]]:
+        """Each term needs reward "dense" or "shaped" (``self.reward``) and a task it is written for (``self.env_id``):
+        the run config this class is a base of has both."""
+        terms = (("reach_weight", "adds to the dense reward or the shaped reward's potential", "the reach term of the dense reward"),
+                 ("grasp_min_gap", "gates the grasp in the dense reward", "the finger joints"),
+                 ("place_weight", "adds to the dense reward or the shaped reward's potential", "the cube-to-goal offset"))
+        return [check for name, what, reads in terms for check in (
+            (getattr(self, name) == 0 or self.reward in ("dense", "shaped"),
+             f"{name} ({getattr(self, name)}) {what} (got reward {self.reward!r}): set {name}: 0.0 or reward: dense / shaped"),
+            (getattr(self, name) == 0 or self.env_id in REACH_ENVS,
+             f"{name} reads {reads} of {REACH_ENVS} (got env_id {self.env_id!r}): set {name}: 0.0"))]
 
 
 class Grasp(NamedTuple):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ClassVar
 
+from flowlib.envs.smdp import REACH_ENVS, ShapingConfig
 from flowlib.infra import config
 from flowlib.infra.config import check_fields, require
 from flowlib.infra.runs import policy_checkpoint
@@ -183,10 +184,12 @@ def parameter_groups(steer_learner: tuple[str, str] | None = None) -> list[tuple
     ``steer_learner`` only the groups that method reads: the options it shows (``python -m flowlib.run
     06_steering --show-params residual_step/td3``)."""
     declared: dict[str, type] = {}
-    for cls in (RunConfig, MethodChoice, *METHOD_CONFIGS):
+    for cls in (RunConfig, ShapingConfig, MethodChoice, *METHOD_CONFIGS):
         for name in cls.__annotations__:  # its own fields, not its bases'
             declared.setdefault(name, cls)
-    groups = [(f"{RunConfig.__name__}: every method", RunConfig), (f"{MethodChoice.__name__}: the method", MethodChoice)]
+    groups = [(f"{RunConfig.__name__}: every method", RunConfig),
+              (f"{ShapingConfig.__name__}: every method, on {', '.join(REACH_ENVS)} only", ShapingConfig),
+              (f"{MethodChoice.__name__}: the method", MethodChoice)]
     for cls in METHOD_CONFIGS:
         if steer_learner is None or cls in METHODS[steer_learner].configs:
             readers = ", ".join(f"{s}/{lr}" for (s, lr), m in METHODS.items() if cls in m.configs)

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flowlib.envs.smdp import REACH_ENVS, REWARDS, ChunkRunner
+from flowlib.envs.smdp import REWARDS, ChunkRunner, ShapingConfig
 from flowlib.infra import progress
 from flowlib.infra.config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from flowlib.infra.runs import load_torch, rng_state, save_torch, set_rng_state
@@ -36,9 +36,9 @@ CHECKPOINT_FORMAT = "flowlib.reinflow/1"  # every stage-3 checkpoint, whatever i
 
 
 @dataclass
-class RunConfig:
+class RunConfig(ShapingConfig):
     """What every stage-3 run has, whatever its method: the start, the env and learning's reward, the exploration
-    schedule, the budget, evaluation and bookkeeping."""
+    schedule, the budget, evaluation and bookkeeping; PickCube's reward terms are its base's (``ShapingConfig``)."""
 
     seed: NonNegativeInt = 0  # the run's seed (nets, noise, minibatches)
     init_checkpoint: str = ""  # stage-1/2 best_model.pt, relative to outputs/; "": 01_shortcut_bc/default
@@ -50,11 +50,6 @@ class RunConfig:
     reward: str = "sparse"  # "sparse": 1 on success (terminal); "dense": normalized_dense; "shaped": sparse + potential
     reward_scale: PositiveFloat = 1.0  # learning sees reward_scale * r (value targets of O(1)); logged returns are raw
     success_bonus: NonNegativeFloat = 0.0  # reward "dense": added per solved step (learning only)
-    reach_weight: NonNegativeFloat = 0.0  # PickCube, dense / shaped: weight of 1 - tanh(reach_sharpness |cube - tcp|)
-    reach_sharpness: PositiveFloat = 5.0  # 1/m, of the reach term (ManiSkill's own is 5; 20 pays the last cm)
-    grasp_min_gap: NonNegativeFloat = 0.0  # PickCube, dense / shaped: a grasp counts only with fingers at least this far apart (m)
-    place_weight: NonNegativeFloat = 0.0  # PickCube, dense / shaped: weight of 1 - tanh(place_sharpness |goal - cube|)
-    place_sharpness: PositiveFloat = 20.0  # 1/m, of the place term
     num_inference_steps: PositiveInt = 8  # K, the denoising steps of the flow (noisy chain or frozen ODE)
     min_noise_std: PositiveFloat = 0.01  # lower bound of the exploration std (of whatever the method draws)
     max_noise_std: PositiveFloat = 0.3  # upper bound of the exploration std at the start; decays to final_noise_std
@@ -87,22 +82,12 @@ class RunConfig:
     wandb_mode: str = "disabled"  # "disabled", "offline" or "online"
 
     def run_checks(self) -> list[tuple[bool, str]]:
-        dense = ("dense", "shaped")
         return [
             (self.reward in REWARDS, f"reward must be one of {REWARDS}, got {self.reward!r}"),
             (self.success_bonus == 0 or self.reward == "dense",
              f"success_bonus ({self.success_bonus}) applies to reward 'dense' only (got reward {self.reward!r}): "
              f"the sparse and shaped rewards already pay a success alone; set success_bonus: 0.0 or reward: dense"),
-            *[(getattr(self, name) == 0 or self.reward in dense,
-               f"{name} ({getattr(self, name)}) {what} (got reward {self.reward!r}): set {name}: 0.0 or reward: "
-               f"dense / shaped") for name, what in
-              (("reach_weight", "adds to the dense reward or the shaped reward's potential"),
-               ("grasp_min_gap", "gates the grasp in the dense reward"),
-               ("place_weight", "adds to the dense reward or the shaped reward's potential"))],
-            *[(getattr(self, name) == 0 or self.env_id in REACH_ENVS,
-               f"{name} reads {what} of {REACH_ENVS} (got env_id {self.env_id!r}): set {name}: 0.0") for name, what in
-              (("grasp_min_gap", "the finger joints"), ("reach_weight", "the reach term of the dense reward"),
-               ("place_weight", "the cube-to-goal offset"))],
+            *self.shaping_checks(),
             (self.noise_schedule in NOISE_SCHEDULES,
              f"noise_schedule must be one of {NOISE_SCHEDULES}, got {self.noise_schedule!r}"),
             (self.lr_schedule in LR_SCHEDULES, f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}"),
