@@ -1,8 +1,11 @@
 """Parameter validation (keys, types, ranges, finiteness, cross-field checks), the notebook runner's checks before
 a kernel starts, and every params/ file."""
 import dataclasses
+import math
 import re
+import typing
 from pathlib import Path
+from typing import Annotated
 
 import pytest
 
@@ -11,6 +14,7 @@ from flowlib.infra.config import ConfigError, from_globals, from_yaml, parse_yam
 from flowlib.infra.runs import REPO_ROOT
 from flowlib.methods.stage3 import Stage3Config, checkpoint_config
 from flowlib.policies.bc import ShortCutBCConfig
+from flowlib.tools import run
 from flowlib.tools.run import NOTEBOOK_CONFIGS, config_class, main, resolve_parameters
 
 
@@ -293,3 +297,57 @@ def test_the_chain_ppo_tutorial_may_start_without_its_start_checkpoint_which_it_
     with pytest.raises(FileNotFoundError, match="no params file of notebook 01 or 02 writes it"):
         ensure_checkpoint(tmp_path / "elsewhere" / "best_model.pt")
     assert preflight("02_aw_shortcut", resolve_parameters("02_aw_shortcut")).startswith("stage1_checkpoint: ")
+
+
+# --------------------------------------------------------------------------- every bad number, before a kernel
+
+
+def _bounds(hint) -> tuple[float, bool, float]:
+    """(lower bound, whether it is strict, upper bound) of an annotated number's range (-inf, False, inf: none)."""
+    lo, strict, hi = -math.inf, False, math.inf
+    for m in typing.get_args(hint)[1:]:
+        for c in getattr(m, "metadata", [m]):
+            lo, strict = (c.gt, True) if hasattr(c, "gt") else (c.ge, False) if hasattr(c, "ge") else (lo, strict)
+            hi = c.le if hasattr(c, "le") else hi
+    return lo, strict, hi
+
+
+def _numbers(cls):
+    """Each int / float field of ``cls`` (and each list of them) with the type of its items and its range."""
+    for name, hint in typing.get_type_hints(cls, include_extras=True).items():
+        item = typing.get_args(hint)[0] if typing.get_origin(hint) is list else hint
+        base = typing.get_args(item)[0] if typing.get_origin(item) is Annotated else item
+        if base in (int, float):
+            yield name, hint, item, base
+
+
+def test_every_notebook_number_field_has_a_range_its_subclasses_keep():
+    """A notebook's config that sets its own defaults redeclares fields: it must keep the base's range (notebook 03's
+    num_envs: int once let -2 reach the kernel)."""
+    loose = [f"{nb}.{name}" for nb in NOTEBOOK_CONFIGS for name, _, item, _ in _numbers(config_class(nb))
+             if typing.get_origin(item) is not Annotated]
+    assert not loose, f"give these fields a range (PositiveInt, NonNegativeFloat, Fraction...): {loose}"
+
+
+@pytest.mark.parametrize("notebook", sorted(NOTEBOOK_CONFIGS))
+def test_every_bad_number_stops_with_one_error_line_before_a_kernel_or_a_run_folder(notebook, monkeypatch, capsys):
+    """A negative, a zero where zero is out of range, a value past the upper bound and a NaN, for every number field:
+    ``python -m flowlib.run`` prints one ``error:`` line naming the field and returns 2, with no kernel started and no
+    run folder made."""
+    def never(*args, **kwargs):
+        raise AssertionError("a bad value reached the kernel or made a run folder")
+
+    monkeypatch.setattr(run, "execute", never)
+    monkeypatch.setattr(run, "run_dir", never)
+    tried = 0
+    for name, hint, item, base in _numbers(config_class(notebook)):
+        lo, strict, hi = _bounds(item)
+        bad = [v for v in (-1, 0, hi + 1 if hi < math.inf else None) if v is not None and (v < lo or (strict and v == lo) or v > hi)]
+        bad += [".nan"] if base is float else []
+        for value in bad:
+            text = f"[{value}]" if typing.get_origin(hint) is list else str(value)
+            assert run.main([notebook, "-p", f"{name}={text}"]) == 2, f"{notebook}: {name}={text} was accepted"
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and err[0].startswith("error:") and name in err[0], (name, text, err)
+            tried += 1
+    assert tried, f"{notebook}: no number field to walk"

@@ -27,7 +27,8 @@ from typing import Callable, ClassVar
 
 from flowlib.envs.smdp import REACH_ENVS, ShapingConfig
 from flowlib.infra import config
-from flowlib.infra.config import check_fields, require
+from flowlib.infra.config import (Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields,
+                                   require)
 from flowlib.infra.runs import policy_checkpoint
 from flowlib.methods.fql import FQLConfig, fql_agent, fql_learner, fql_offline
 from flowlib.methods.gaussian import GaussianConfig, gaussian_agent, gaussian_bc
@@ -333,24 +334,24 @@ class SteeringConfig(Stage3Config):
     steer: str = "residual_step"
     learner: str = "td3"
     reward: str = "dense"
-    num_inference_steps: int = 4
-    residual_bound: float = 0.2
+    num_inference_steps: PositiveInt = 4
+    residual_bound: PositiveFloat = 0.2
     residual_gripper: bool = False
-    residual_hidden_dims: list[int] = dataclasses.field(default_factory=lambda: [64, 64])
-    value_hidden_dims: list[int] = dataclasses.field(default_factory=lambda: [64, 64])
-    min_noise_std: float = 0.005
-    max_noise_std: float = 0.05
-    final_noise_std: float = 0.05
+    residual_hidden_dims: list[PositiveInt] = dataclasses.field(default_factory=lambda: [64, 64])
+    value_hidden_dims: list[PositiveInt] = dataclasses.field(default_factory=lambda: [64, 64])
+    min_noise_std: PositiveFloat = 0.005
+    max_noise_std: PositiveFloat = 0.05
+    final_noise_std: PositiveFloat = 0.05
     noise_schedule: str = "constant"
-    replay_batch_size: int = 64
-    replay_updates_per_decision: float = 0.25
-    total_env_steps: int = 1024
-    gamma: float = 0.8
-    actor_lr: float = 1e-4
-    critic_lr: float = 3e-4
-    critic_warmup_steps: int = 256
-    bench_num_envs: list[int] = dataclasses.field(default_factory=lambda: [2])
-    bench_decisions: int = 2
+    replay_batch_size: PositiveInt = 64
+    replay_updates_per_decision: PositiveFloat = 0.25
+    total_env_steps: PositiveInt = 1024
+    gamma: Fraction = 0.8
+    actor_lr: NonNegativeFloat = 1e-4
+    critic_lr: PositiveFloat = 3e-4
+    critic_warmup_steps: NonNegativeInt = 256
+    bench_num_envs: list[PositiveInt] = dataclasses.field(default_factory=lambda: [2])
+    bench_decisions: PositiveInt = 2
 
 
 @dataclass
@@ -361,26 +362,26 @@ class ChainPPOConfig(Stage3Config):
 
     init_checkpoint: str = "01_shortcut_bc/fast_reach_mlp/best_model.pt"
     env_id: str = "FastReach-v0"
-    num_envs: int = 512
-    max_episode_steps: int = 40
-    num_inference_steps: int = 4
+    num_envs: PositiveInt = 512
+    max_episode_steps: PositiveInt = 40
+    num_inference_steps: PositiveInt = 4
     log_prob_over: str = "executed_last"
-    max_noise_std: float = 0.1
-    final_noise_std: float = 0.04
-    min_noise_std: float = 0.02
-    noise_decay_steps: int = 10_000_000
-    total_env_steps: int = 2_457_600
-    rollout_steps: int = 10
-    update_epochs: int = 5
-    minibatch_size: int = 2048
-    actor_lr: float = 1e-4
-    critic_lr: float = 1e-3
-    target_kl: float = 0.05
-    critic_warmup_steps: int = 81_920
-    eval_every: int = 10
-    num_eval_episodes: int = 512
-    ckpt_every: int = 10
-    bench_num_envs: list[int] = dataclasses.field(default_factory=lambda: [512])
-    bench_decisions: int = 4
-    num_threads: int = 0
+    max_noise_std: PositiveFloat = 0.1
+    final_noise_std: PositiveFloat = 0.04
+    min_noise_std: PositiveFloat = 0.02
+    noise_decay_steps: NonNegativeInt = 10_000_000
+    total_env_steps: PositiveInt = 2_457_600
+    rollout_steps: PositiveInt = 10
+    update_epochs: PositiveInt = 5
+    minibatch_size: PositiveInt = 2048
+    actor_lr: NonNegativeFloat = 1e-4
+    critic_lr: PositiveFloat = 1e-3
+    target_kl: NonNegativeFloat = 0.05
+    critic_warmup_steps: NonNegativeInt = 81_920
+    eval_every: NonNegativeInt = 10
+    num_eval_episodes: PositiveInt = 512
+    ckpt_every: PositiveInt = 10
+    bench_num_envs: list[PositiveInt] = dataclasses.field(default_factory=lambda: [512])
+    bench_decisions: PositiveInt = 4
+    num_threads: NonNegativeInt = 0
     run_control: bool = True  # also train the flipped-advantage control, same budget and start (it must get worse)
