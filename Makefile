@@ -8,13 +8,21 @@ STAMP := $(VENV)/.installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.py))
 DEMO_NOTEBOOKS := 00_flows_2d 01_shortcut_bc 02_aw_shortcut 03_reinflow 04_flow_sde 05_ablation_report 06_steering
 
-.PHONY: install system-deps demo test test-fast unit nbval sync notebooks strip lab html check-pairs clean
+.PHONY: install system-deps git-filter demo test test-fast unit nbval sync notebooks strip lab html check-pairs clean
 
-install: system-deps $(STAMP)
+install: system-deps $(STAMP) git-filter
 
 # The one place for system packages (Vulkan for ManiSkill on CPU, OSMesa for Meta-World's frames): see flowlib/infra/sysdeps.py.
 system-deps:
 	@$(PYTHON) -m flowlib.sysdeps
+
+# Saving a notebook in JupyterLab writes metadata that `make strip` removes (the Python patch version): this git filter
+# strips it whenever git reads a notebook (status, diff, add), so opening and saving leaves the repository clean.
+# Outputs are kept: they are nbval's references, refreshed on purpose by `make notebooks`.
+git-filter: $(STAMP)
+	@if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then \
+		git config filter.nbstripout.clean '$(abspath $(PY)) -m nbstripout $(STRIP)' && \
+		git config filter.nbstripout.smudge cat; fi
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -66,12 +74,15 @@ strip: install
 	$(VENV)/bin/nbstripout $(STRIP) $(NOTEBOOKS:.py=.ipynb)
 
 # JupyterLab on the repository; notebooks/*.py open as notebooks (jupytext), outputs kept in the paired .ipynb.
+# Its runs write outputs/<notebook>/lab unless they name a run (FLOWLIB_RUN_KIND=lab; make demo keeps default), and
+# a kernel idle for 30 minutes is shut down (closing a tab leaves its kernel running).
 LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings
 lab: install
 	@mkdir -p $(LAB_SETTINGS)
 	@echo '{"@jupyterlab/docmanager-extension:plugin": {"defaultViewers": {"python": "Jupytext Notebook"}}}' \
 		> $(LAB_SETTINGS)/overrides.json
-	$(VENV)/bin/jupyter lab --notebook-dir=. $$([ "$$(id -u)" = 0 ] && echo --allow-root) notebooks/00_flows_2d.py
+	FLOWLIB_RUN_KIND=lab $(VENV)/bin/jupyter lab --notebook-dir=. $$([ "$$(id -u)" = 0 ] && echo --allow-root) \
+		--MappingKernelManager.cull_idle_timeout=1800 --MappingKernelManager.cull_interval=300 notebooks/00_flows_2d.py
 
 # The notebooks (reference outputs) as HTML pages under outputs/html/, equations rendered offline.
 html: install

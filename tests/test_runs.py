@@ -184,3 +184,47 @@ def test_bars_and_lines_that_are_all_zero_say_so(tmp_path):
     assert [t.get_text() for t in a.texts] == ["0.00", "0.00"]
     assert [t.get_text() for t in b.texts] == ["all values are 0"]
     plt.close(fig)
+
+
+# --------------------------------------------------------------------------- lab and batch runs apart
+
+
+def test_a_lab_run_left_at_default_writes_and_starts_from_the_labs_own_folders(tmp_path, monkeypatch):
+    """In the JupyterLab of ``make lab`` (FLOWLIB_RUN_KIND=lab) a run that names no folder writes outputs/<nb>/lab,
+    and its default start is notebook 01's lab run: ``make demo``'s ``default`` folders are never touched."""
+    from flowlib.infra.runs import checkpoint_location, run_that_writes
+    from flowlib.infra.tracking import start_run
+    from flowlib.policies.bc import ShortCutBCConfig
+
+    monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path))
+    monkeypatch.setenv("FLOWLIB_RUN_KIND", "lab")
+    cfg = ShortCutBCConfig()
+    run_path, tracker = start_run("01_shortcut_bc", cfg)
+    tracker.finish()
+    assert run_path == tmp_path / "01_shortcut_bc" / "lab" and cfg.run_name == "lab"
+    assert (run_path / "run_kind").read_text() == "lab\n" and "run_name: lab" in (run_path / "params.yaml").read_text()
+    assert checkpoint_location("") == tmp_path / "01_shortcut_bc" / "lab" / "best_model.pt"
+    assert run_that_writes(checkpoint_location("")) == ("01_shortcut_bc", None)
+    monkeypatch.delenv("FLOWLIB_RUN_KIND")
+    assert checkpoint_location("") == tmp_path / "01_shortcut_bc" / "default" / "best_model.pt"
+    assert not (tmp_path / "01_shortcut_bc" / "default").exists()
+
+
+def test_resuming_a_folder_another_kind_of_run_made_says_so(tmp_path, monkeypatch, capsys):
+    from flowlib.infra.tracking import start_run
+    from flowlib.methods.stage3 import SteeringConfig
+
+    monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path))
+    run_path, tracker = start_run("06_steering", SteeringConfig(run_name="cpu"))  # a batch run
+    tracker.finish()
+    (run_path / "last.pt").write_bytes(b"")
+    monkeypatch.setenv("FLOWLIB_RUN_KIND", "lab")
+    capsys.readouterr()
+    _, tracker = start_run("06_steering", SteeringConfig(run_name="cpu"))
+    tracker.finish()
+    out = capsys.readouterr().out
+    assert "was made by a batch run; this lab run resumes it" in out and "resume: False" in out
+    (run_path / "run_kind").write_text("batch\n")
+    _, tracker = start_run("06_steering", SteeringConfig(run_name="cpu", resume=False))  # starts apart: no note
+    tracker.finish()
+    assert "was made by" not in capsys.readouterr().out

@@ -23,8 +23,23 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[2]  # flowlib/infra/runs.py
 
 
+RUN_KIND_ENV = "FLOWLIB_RUN_KIND"  # "lab" in the JupyterLab that `make lab` starts; unset: a batch run
+
+
 def outputs_root() -> Path:
     return Path(os.environ.get("FLOWLIB_OUTPUTS", REPO_ROOT / "outputs"))
+
+
+def run_kind() -> str:
+    """"lab" for a notebook run in the JupyterLab that ``make lab`` starts (``FLOWLIB_RUN_KIND=lab``, which its
+    kernels inherit), else "batch" (``make demo``, ``python -m flowlib.run``, papermill, the tests)."""
+    return "lab" if os.environ.get(RUN_KIND_ENV) == "lab" else "batch"
+
+
+def default_run_name() -> str:
+    """The run folder of a run that names none: ``lab`` in the lab, ``default`` in a batch run, so that working in
+    JupyterLab never resumes or clobbers ``make demo``'s runs (and a lab run's default start is the lab's own)."""
+    return "lab" if run_kind() == "lab" else "default"
 
 
 def check_run_name(run_name: str) -> None:
@@ -80,8 +95,9 @@ def shown(path: Path) -> str:
 
 def checkpoint_location(value: str) -> Path:
     """Where the stage-1/2 ``best_model.pt`` a parameter names lies, whether or not it is there yet: absolute, or
-    relative to the outputs root (``01_shortcut_bc/cpu/best_model.pt``); empty means notebook 01's default run."""
-    path = Path(value or "01_shortcut_bc/default/best_model.pt")
+    relative to the outputs root (``01_shortcut_bc/cpu/best_model.pt``); empty means notebook 01's default run
+    (``default_run_name``: its ``lab`` run in the lab)."""
+    path = Path(value or f"01_shortcut_bc/{default_run_name()}/best_model.pt")
     return path if path.is_absolute() else outputs_root() / path
 
 
@@ -104,7 +120,7 @@ def run_that_writes(path: Path) -> tuple[str, Path | None] | None:
         return None
     if notebook not in ("01_shortcut_bc", "02_aw_shortcut"):
         return None
-    if run == "default":
+    if run == default_run_name():
         return notebook, None
     params = Path("params") / notebook / f"{run}.yaml"
     return (notebook, params) if (REPO_ROOT / params).is_file() else None

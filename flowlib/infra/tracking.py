@@ -15,7 +15,17 @@ from typing import Any
 
 import torch
 
-from flowlib.infra.runs import read_metrics, run_dir, save_json, save_params
+from flowlib.infra.progress import say
+from flowlib.infra.runs import (
+    default_run_name,
+    read_metrics,
+    run_dir,
+    run_kind,
+    save_json,
+    save_params,
+    save_text,
+    shown,
+)
 
 WANDB_MODES = ("disabled", "offline", "online")
 
@@ -98,11 +108,22 @@ def _plain(v):
 def start_run(notebook: str, cfg) -> tuple[Path, Tracker]:
     """Begin a notebook's run: torch threads (``cfg.num_threads``, 0 = torch's default) and seed, the
     folder ``outputs/<notebook>/<run_name>/`` with the resolved ``params.yaml``, and its ``Tracker``
-    (a resumed run, with ``cfg.resume``, keeps its metrics)."""
+    (a resumed run, with ``cfg.resume``, keeps its metrics).
+
+    A run left at ``run_name`` "default" writes to ``default_run_name()``'s folder (``lab`` in the lab; ``cfg`` is
+    updated).  The folder keeps the kind of run that made it (``run_kind``); resuming a folder another kind of run
+    made says so."""
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(cfg.seed)
+    if cfg.run_name == "default":
+        cfg.run_name = default_run_name()
     run_path = run_dir(notebook, cfg.run_name)
+    made_by = (run_path / "run_kind").read_text().strip() if (run_path / "run_kind").is_file() else run_kind()
+    if made_by != run_kind() and getattr(cfg, "resume", False) and (run_path / "last.pt").is_file():
+        say(f"note: {shown(run_path)} was made by a {made_by} run; this {run_kind()} run resumes it "
+            "(name another run_name, or set resume: False, to start apart)")
+    save_text(run_path / "run_kind", run_kind() + "\n")
     save_params(run_path, cfg)
     tracker = Tracker(run_path, dataclasses.asdict(cfg), wandb_mode=cfg.wandb_mode,
                       project=f"flowlib-{notebook.split('_')[0]}", resume=cfg.resume)
