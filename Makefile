@@ -74,15 +74,16 @@ strip: install
 	$(VENV)/bin/nbstripout $(STRIP) $(NOTEBOOKS:.py=.ipynb)
 
 # JupyterLab on the repository; notebooks/*.py open as notebooks (jupytext), outputs kept in the paired .ipynb.
-# Its runs write outputs/<notebook>/lab unless they name a run (FLOWLIB_RUN_KIND=lab; make demo keeps default), and
-# a kernel idle for 30 minutes is shut down (closing a tab leaves its kernel running).
+# Its runs write outputs/<notebook>/lab unless they name a run (FLOWLIB_RUN_KIND=lab; make demo keeps default); saving
+# strips what make strip strips, so an unchanged notebook stays as committed; a kernel idle for 30 minutes is shut
+# down (closing a tab leaves its kernel running): flowlib/infra/lab.py.
 LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings
 lab: install
 	@mkdir -p $(LAB_SETTINGS)
 	@echo '{"@jupyterlab/docmanager-extension:plugin": {"defaultViewers": {"python": "Jupytext Notebook"}}}' \
 		> $(LAB_SETTINGS)/overrides.json
 	FLOWLIB_RUN_KIND=lab $(VENV)/bin/jupyter lab --notebook-dir=. $$([ "$$(id -u)" = 0 ] && echo --allow-root) \
-		--MappingKernelManager.cull_idle_timeout=1800 --MappingKernelManager.cull_interval=300 notebooks/00_flows_2d.py
+		$$($(PY) -m flowlib.infra.lab) notebooks/00_flows_2d.py
 
 # The notebooks (reference outputs) as HTML pages under outputs/html/, equations rendered offline.
 html: install

@@ -135,10 +135,11 @@ def test_the_package_index_lists_every_module_under_its_folder():
         assert mods <= described, f"describe {sorted(mods - described)} in flowlib/{f}/__init__.py's docstring"
 
 
-# third-party packages that are optional extras or slow to import: the only imports a function may hold (each loaded
-# where it is needed, so that `python -m flowlib.results check` or a fast task does not start ManiSkill or torch)
-LAZY = {"mani_skill", "sapien", "metaworld", "papermill", "nbconvert", "jupyter_server_mathjax", "ray", "wandb",
-        "ipywidgets", "tqdm", "torch"}
+# third-party packages that are optional extras (gymnasium and h5py come with the sim / metaworld extras; the fast
+# tasks need neither) or slow to import: the only imports a function may hold, each loaded where it is needed, so
+# that a fast task runs without the simulators and `python -m flowlib.results check` does not start torch
+LAZY = {"mani_skill", "sapien", "metaworld", "gymnasium", "h5py", "papermill", "nbconvert", "jupyter_server_mathjax",
+        "ray", "wandb", "ipywidgets", "tqdm", "torch"}
 
 
 def function_imports(path: Path) -> list[str]:

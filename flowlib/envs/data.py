@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import h5py
 import numpy as np
 import torch
 from torch.utils.data import Dataset
@@ -165,6 +164,7 @@ def load_demos(path: str | Path, control_mode: str | None = None, max_episodes: 
     task's own, ``flowlib.envs.maniskill.control_mode``, unless ``control_mode`` names one).
     Each first observation gets what ``flowlib.envs.maniskill.ManiSkillVecEnv.reset`` gives a policy: the grasp flag that
     the replay's reset carried over from the previous demo cleared (``flowlib.envs.maniskill.clear_grasp_at_reset``)."""
+    import h5py
 
     path = Path(path)
     if not path.is_file():
@@ -211,6 +211,7 @@ def save_episodes(path: str | Path, episodes: list[Episode], env_id: str, contro
                   source: str = "") -> Path:
     """Write episodes in ManiSkill's trajectory format (``traj_<i>`` groups + ``.json``), so that
     ``load_demos`` (and ManiSkill's tools) read them like replayed demos.  Atomic: the ``.h5`` appears last."""
+    import h5py
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

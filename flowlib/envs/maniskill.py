@@ -29,7 +29,6 @@ import functools
 import platform
 from pathlib import Path
 
-import gymnasium as gym
 import numpy as np
 import torch
 
@@ -102,6 +101,7 @@ def _make_cpu_env(env_id, obs_mode, control_mode, reward_mode, max_episode_steps
     """One single-process CPU env (numpy in/out), termination ignored: built inside the worker.  ``fresh_scene``:
     a new PhysX scene at every reset (module docstring).  A visual ``obs_mode`` packs each observation
     (``flowlib.envs.visual``)."""
+    import gymnasium as gym
     import mani_skill.envs  # noqa: F401
     from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
 
@@ -118,6 +118,7 @@ def _make_cpu_env(env_id, obs_mode, control_mode, reward_mode, max_episode_steps
 
 @functools.cache
 def _restorable_wrapper():
+    import gymnasium as gym
 
     class _Restorable(gym.Wrapper):
         """Outermost wrapper of a CPU worker's env: ``snapshot()`` returns the simulator state (ManiSkill's
@@ -161,6 +162,7 @@ class ManiSkillVecEnv:
         control_mode = control_mode or task(env_id).control_mode
         self.device = torch.device("cuda" if self.backend == "physx_cuda" else "cpu")
         if self.backend == "physx_cuda":
+            import gymnasium as gym
             import mani_skill.envs  # noqa: F401
             from mani_skill.vector.wrappers.gymnasium import ManiSkillVectorEnv
 

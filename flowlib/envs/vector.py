@@ -9,14 +9,13 @@ import functools
 import multiprocessing
 import traceback
 
-import gymnasium as gym
 import numpy as np
-from gymnasium.vector import AutoresetMode
 
 
 @functools.cache
 def steppable_sync_vector_env():
     """gymnasium's SyncVectorEnv for one in-process env, able to step an env whose episode ended."""
+    import gymnasium as gym
 
     class SteppableSyncVectorEnv(gym.vector.SyncVectorEnv):
         """One env in this process (no IPC).  Gymnasium's SyncVectorEnv with autoreset off asserts when an
@@ -33,6 +32,8 @@ def steppable_sync_vector_env():
 def vector_env(make, num_envs: int, in_process: bool):
     """``num_envs`` copies of ``make()`` with auto-reset off: in this process (``in_process``, one env), else one
     spawned worker process each (spawn, not fork: forking a process that already runs torch threads can deadlock)."""
+    import gymnasium as gym
+    from gymnasium.vector import AutoresetMode
 
     if in_process:
         return steppable_sync_vector_env()([make] * num_envs, autoreset_mode=AutoresetMode.DISABLED)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import gymnasium as gym
 import numpy as np
 import torch
 
@@ -170,6 +169,7 @@ def packed_observation_wrapper():
     """``PackedObservation(env, mode, num_points)``: a gymnasium observation wrapper around a ManiSkill env (batched
     torch dicts in, packed ``[N, S + V]`` out), applied before ``CPUGymWrapper``; its ``layout`` says how to split,
     ``state_dim`` how wide the ``info["privileged_state"]`` is that each step and reset add (module docstring)."""
+    import gymnasium as gym
 
     class PackedObservation(gym.ObservationWrapper):
         def __init__(self, env, mode: str, num_points: int):
@@ -197,6 +197,7 @@ def packed_observation_wrapper():
 
 def make_visual_env(env_id: str, obs_mode: str, camera_size: int, num_points: int, control_mode: str, **kwargs):
     """One ManiSkill env of a visual obs mode whose observations are packed frames (``PackedObservation``)."""
+    import gymnasium as gym
     import mani_skill.envs  # noqa: F401
 
     env = gym.make(env_id, control_mode=control_mode, **env_kwargs(obs_mode, camera_size, num_points), **kwargs)

@@ -14,7 +14,6 @@ import json
 import time
 from pathlib import Path
 
-import h5py
 import numpy as np
 import torch
 
@@ -44,6 +43,7 @@ def replay_visual(state_demo_path: str | Path, obs_mode: str = "rgb", camera_siz
     Each frame: the env is set to the demo's recorded simulator state (``set_state_dict``) and observed, so frame
     ``t`` shows the state whose observation is the state demo's ``obs[t]``.  Cached by name beside the state demos
     (``..._<n>.<mode><size>.<control>...h5``); written atomically; ``force`` renders again."""
+    import h5py
 
     check_obs_mode(obs_mode)
     if obs_mode == "state":
@@ -93,6 +93,7 @@ def replay_visual(state_demo_path: str | Path, obs_mode: str = "rgb", camera_siz
 
 
 def _env_states(group) -> dict:
+    import h5py
 
     return {k: (_env_states(v) if isinstance(v, h5py.Group) else np.asarray(v)) for k, v in group.items()}
 
@@ -155,6 +156,7 @@ class VisualChunkDataset:
     def __init__(self, path: str | Path, obs_horizon: int = 2, pred_horizon: int = 16, max_episodes: int | None = None,
                  in_memory: bool = True, action_norm: str = "minmax", obs_normalizer=None, action_normalizer=None,
                  num_points: int | None = None):
+        import h5py
 
         self.path = Path(path)
         if not self.path.is_file():

@@ -1,0 +1,68 @@
+"""Working in the lab leaves the repository clean: a notebook opened and saved through the Jupyter server that
+``make lab`` starts (as JupyterLab saves it, with the kernel's Python version in its metadata) shows no change in
+``git status`` (``flowlib.infra.lab.strip_on_save``; the git filter of ``make install`` alone does not do it: git
+reports a file whose size changed as modified without running the filter)."""
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from flowlib.infra.lab import SERVER_ARGS
+from flowlib.infra.runs import REPO_ROOT
+
+pytestmark = pytest.mark.slow  # starts a Jupyter server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _api(port: int, token: str, path: str, body: dict | None = None) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/api/contents/{path}", method="PUT" if body else "GET",
+                                 data=json.dumps(body).encode() if body else None,
+                                 headers={"Authorization": f"token {token}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def test_opening_and_saving_notebooks_through_the_server_leaves_git_status_clean(tmp_path):
+    clone = tmp_path / "repo"
+    subprocess.run(["git", "clone", "-q", str(REPO_ROOT), str(clone)], check=True)
+    strip = next(line for line in (REPO_ROOT / "Makefile").read_text().splitlines() if line.startswith("STRIP :="))
+    clean = f"{shlex.quote(sys.executable)} -m nbstripout {strip.split(':=', 1)[1].strip()}"
+    subprocess.run(["git", "-C", str(clone), "config", "filter.nbstripout.clean", clean], check=True)  # as make install
+    port, token = _free_port(), "flowlib-test"
+    server = subprocess.Popen([sys.executable, "-m", "jupyter", "server", "--no-browser", f"--port={port}",
+                               f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={clone}", "--allow-root",
+                               *SERVER_ARGS],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ})
+    try:
+        for _ in range(120):
+            try:
+                _api(port, token, "")
+                break
+            except OSError:
+                time.sleep(0.5)
+        for name in ("notebooks/00_flows_2d.ipynb", "notebooks/03_reinflow.ipynb", "notebooks/00_flows_2d.py"):
+            model = _api(port, token, f"{name}?content=1")
+            nb = model["content"]
+            nb["metadata"].setdefault("language_info", {})["version"] = "3.11.99"  # what a kernel adds on save
+            _api(port, token, name, {"type": "notebook", "format": "json", "content": nb})
+        status = subprocess.run(["git", "-C", str(clone), "status", "--porcelain"], capture_output=True, text=True)
+        assert status.stdout == "", f"saving an unchanged notebook changed the repository:\n{status.stdout}"
+        _api(port, token, "notebooks/00_flows_2d.ipynb", {"type": "notebook", "format": "json", "content": {
+            **nb, "cells": nb["cells"][:-1]}})  # a real change still shows (the test can fail)
+        status = subprocess.run(["git", "-C", str(clone), "status", "--porcelain"], capture_output=True, text=True)
+        assert " M notebooks/00_flows_2d.ipynb" in status.stdout.splitlines()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
