@@ -209,6 +209,8 @@ for col, ax in zip(["train/success_once", "value_loss", "policy_loss"], axes):
         ax.plot(history["step"], history[col], marker=".")
     ax.set_xlabel("env steps")
     ax.set_ylabel(col)
+    ax.set_title(col)
+fig.suptitle(f"{cfg.steer}/{cfg.learner} on {cfg.env_id}: training")
 fig.tight_layout()
 runs.save_figure(fig, run_path, "learning_curve")
 plt.show()

@@ -169,6 +169,24 @@ def test_a_figure_with_an_unlabelled_scale_is_refused_naming_the_axes(tmp_path):
     plt.close(fig)
 
 
+def test_a_figure_without_a_title_is_refused(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from flowlib.infra.runs import save_figure
+
+    fig, (a, b) = plt.subplots(1, 2)
+    for ax in (a, b):
+        ax.plot([0, 1], [1, 2]), ax.set_xlabel("step"), ax.set_ylabel("loss")
+    a.set_title("left")
+    with pytest.raises(ValueError, match=r"figure 'untitled': axes \[1\] have no title and the figure no suptitle"):
+        save_figure(fig, tmp_path, "untitled")
+    fig.suptitle("both panels")  # a figure title covers its panels
+    assert save_figure(fig, tmp_path, "untitled").exists()
+    plt.close(fig)
+
+
 def test_bars_and_lines_that_are_all_zero_say_so(tmp_path):
     import matplotlib
     matplotlib.use("Agg")
@@ -180,6 +198,7 @@ def test_bars_and_lines_that_are_all_zero_say_so(tmp_path):
     a.bar(["K=1", "K=4"], [0.0, 0.0]), b.plot([0, 10], [0.0, 0.0])
     for ax in (a, b):
         ax.set_xlabel("x"), ax.set_ylabel("success")
+    fig.suptitle("zeros")
     save_figure(fig, tmp_path, "zeros")
     assert [t.get_text() for t in a.texts] == ["0.00", "0.00"]
     assert [t.get_text() for t in b.texts] == ["all values are 0"]

@@ -240,9 +240,15 @@ def save_figure(fig, run_path: Path, name: str, dpi: int = 110) -> Path:
 
 
 def check_figure(fig) -> list[str]:
-    """What a reader of ``fig`` would miss: an axis with tick labels but no label (its own, or that of an axes
-    sharing it); and it writes the values on bars that are all zero and a note on axes whose lines are all zero."""
+    """What a reader of ``fig`` would miss: a title (the figure's, or each plotted axes' own), an axis with tick labels
+    but no label (its own, or that of an axes sharing it); and it writes the values on bars that are all zero and a
+    note on axes whose lines are all zero."""
     problems = []
+    suptitle = fig._suptitle.get_text() if getattr(fig, "_suptitle", None) is not None else ""
+    untitled = [i for i, ax in enumerate(fig.axes) if ax.axison and (ax.lines or ax.patches or ax.collections)
+                and not ax.images and not ax.get_title()]
+    if untitled and not suptitle:
+        problems.append(f"axes {untitled} have no title and the figure no suptitle: say what the figure shows")
     for ax in fig.axes:
         if not ax.axison or ax.images or not (ax.lines or ax.patches or ax.collections):
             continue  # a picture (frames), an empty panel, a colourbar
