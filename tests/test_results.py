@@ -105,3 +105,23 @@ def test_a_marked_table_is_written_from_its_record_and_a_changed_digit_is_caught
     with pytest.raises(FileNotFoundError, match="publish"):
         results.table("demo/gone", root)
     assert "no record 'demo/gone'" in results.stale_tables(repo, root)[0]
+
+
+def test_a_readme_row_is_checked_against_the_records_it_links(roots, tmp_path):
+    """A results row that links results/ data quotes only numbers its records hold (a digit changed is caught,
+    naming the line and the number); a row without data must say it is record only."""
+    outputs, root = roots
+    results.publish(fake_evaluation(outputs)[0], "demo/pair")  # successes 0.5 and 1.0, paired +0.5
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    header = "| stage · method | task | result | params | record |\n|---|---|---|---|---|\n"
+    row = "| 3 · tuned | Demo | 0.50 -> **1.00** (+0.500) | `x.yaml` | [page](docs/p.md), [data](results/demo/) |\n"
+    (repo / "README.md").write_text(header + row)
+    assert results.readme_problems(repo, root) == []
+    (repo / "README.md").write_text(header + row.replace("**1.00**", "**0.99**"))
+    assert results.readme_problems(repo, root) == [
+        "README.md:3: 0.99 in the row '3 · tuned' is in none of results/demo/ (successes, SEs, paired differences)"]
+    (repo / "README.md").write_text(header + row.replace(", [data](results/demo/)", ""))
+    assert "links no results/ data and does not say 'record only'" in results.readme_problems(repo, root)[0]
+    (repo / "README.md").write_text(header + row.replace(", [data](results/demo/)", " · record only"))
+    assert results.readme_problems(repo, root) == []

@@ -23,6 +23,11 @@ also re-derives every record's success rates and paired differences from its per
 ``<!-- end table -->`` after it; ``tables`` writes the table between them from the record's ``results.csv`` (one row
 per evaluated policy: success, its paired difference from the first row, success at the episode's end), and
 ``check`` fails on a marked table that differs from what the record gives, naming the page and the record.
+
+**The README's rows.**  A results-at-a-glance row that links ``results/...`` (its *data* link) may quote only
+numbers its records hold: each decimal within half a unit of its last digit of a success, an SE, a paired
+difference or a success at the end there.  A row without such a link says ``record only`` (its files are gone).
+``check`` fails otherwise, naming the README's line and the number.
 """
 from __future__ import annotations
 
@@ -202,6 +207,46 @@ def stale_tables(repo: Path = REPO_ROOT, root: Path = RESULTS_ROOT) -> list[str]
     return problems
 
 
+README_ROW = re.compile(r"^\| (?P<what>[^|]+) \| (?P<task>[^|]+) \| (?P<result>[^|]+) \| (?P<params>[^|]+) \| (?P<record>[^|]+) \|$")
+DATA_LINK = re.compile(r"\]\((results/[\w./-]*)\)")
+NUMBER = re.compile(r"(?<![\w.])[+-]?\d+\.(\d+)(?![\w.])")
+RECORD_ONLY = "record only"  # a README row whose evaluation files are gone says so in its record cell
+
+
+def record_values(folder: Path) -> list[float]:
+    """Every rate a row may quote from the records under ``folder``: successes, their SEs, paired differences and
+    their SEs, and success at the episode's end."""
+    out = []
+    for record in records(folder):
+        table_ = pd.read_csv(record / "results.csv")
+        out += [float(v) for key in ("success", "se", "diff", "diff_se", "success_at_end") for v in table_[key]]
+    return out
+
+
+def readme_problems(repo: Path = REPO_ROOT, root: Path = RESULTS_ROOT) -> list[str]:
+    """The README's results-at-a-glance rows against their data: a row that links ``results/...`` must quote only
+    numbers its records hold (each decimal within half a unit of its last printed digit of a success, SE or paired
+    difference there); a row without such a link must say ``record only`` in its record cell."""
+    problems = []
+    for n, line in enumerate((repo / "README.md").read_text().splitlines(), 1):
+        m = README_ROW.match(line)
+        if not m or m["what"].strip() in ("stage · method", "---") or set(m["what"].strip()) <= {"-"}:
+            continue
+        links = DATA_LINK.findall(m["record"])
+        if not links:
+            if RECORD_ONLY not in m["record"]:
+                problems.append(f"README.md:{n}: the row {m['what'].strip()!r} links no results/ data and does not say "
+                                f"{RECORD_ONLY!r}: publish its evaluation (python -m flowlib.results publish) or mark it")
+            continue
+        values = [v for link in links for v in record_values(root / link.removeprefix("results/"))]
+        for number in NUMBER.finditer(m["result"]):
+            x, tol = float(number.group(0)), 0.5 * 10 ** -len(number.group(1)) + 1e-9
+            if not any(abs(x - v) <= tol for v in values):
+                problems.append(f"README.md:{n}: {number.group(0)} in the row {m['what'].strip()!r} is in none of "
+                                f"{', '.join(links)} (successes, SEs, paired differences)")
+    return problems
+
+
 def records(root: Path = RESULTS_ROOT) -> list[Path]:
     return sorted(p.parent for p in root.rglob("record.json"))
 
@@ -215,7 +260,7 @@ def check(root: Path | None = None, repo: Path | None = REPO_ROOT) -> list[str]:
                                                    f"{BUDGET_BYTES / 2**20:.0f} MiB: publish per-episode files only"]
     for record in records(root):
         problems += rederive(record)
-    return problems + (stale_tables(repo, root) if repo is not None else [])
+    return problems + (stale_tables(repo, root) + readme_problems(repo, root) if repo is not None else [])
 
 
 def main(argv: list[str] | None = None) -> int:
