@@ -125,3 +125,18 @@ def test_a_readme_row_is_checked_against_the_records_it_links(roots, tmp_path):
     assert "links no results/ data and does not say 'record only'" in results.readme_problems(repo, root)[0]
     (repo / "README.md").write_text(header + row.replace(", [data](results/demo/)", " · record only"))
     assert results.readme_problems(repo, root) == []
+
+
+def test_compare_pairs_a_policy_with_a_groups_mean_on_the_same_episodes(roots, tmp_path):
+    outputs, root = roots
+    rec = results.publish(fake_evaluation(outputs)[0], "demo/pair")  # start [1,0,0,1], tuned [1,1,1,1]
+    r = results.compare(rec, "tuned*", rec, "*")  # against the mean of both: [1, .5, .5, 1]
+    assert r["success"] == 1.0 and r["group"] == 0.75 and r["diff"] == 0.25
+    assert abs(r["diff_se"] - 0.1443376) < 1e-6  # std([0, .5, .5, 0], ddof=1) / sqrt(4)
+    with pytest.raises(ValueError, match="no policy of .* matches 'nothing\\*'"):
+        results.compare(rec, "nothing*", rec, "*")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "per_episode.csv").write_text("env_seed,x\n1,1\n2,1\n3,0\n4,0\n")
+    with pytest.raises(ValueError, match="did not run the same episodes"):
+        results.compare(rec, "tuned*", other, "x")

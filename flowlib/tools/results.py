@@ -3,6 +3,7 @@
     python -m flowlib.results publish outputs/evaluate/metaworld_pick_place_cosine --as metaworld/pick_place_cosine
     python -m flowlib.results tables   # rewrite the results tables in docs/ and the README from results/
     python -m flowlib.results check
+    python -m flowlib.results compare results/metaworld/pick_place_dsrl '*dsrl_s0*' --against results/metaworld/pick_place_cosine --group '*cosine_s*'
 
 ``outputs/`` is git-ignored; ``results/`` is not.  A record is one evaluation (``flowlib.tools.evaluate``'s folder) and
 the runs it scored, copied so that a reader can re-derive every number a results page quotes from it:
@@ -32,6 +33,7 @@ difference or a success at the end there.  A row without such a link says ``reco
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import re
 import shutil
@@ -40,7 +42,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from flowlib.infra.metrics import success_rates
+from flowlib.infra.metrics import paired_means, success_rates
 from flowlib.infra.runs import REPO_ROOT, git_commit, outputs_root, save_json, shown
 from flowlib.tools.evaluate import labels
 
@@ -247,6 +249,30 @@ def readme_problems(repo: Path = REPO_ROOT, root: Path = RESULTS_ROOT) -> list[s
     return problems
 
 
+def episodes(record: Path, pattern: str) -> tuple[pd.Series, pd.Series]:
+    """The env seeds and per-episode success ``[N]`` of the policies of ``record`` whose label matches ``pattern``
+    (``fnmatch``): one policy's, or the mean over several (a method's seeds, as one per-episode rate)."""
+    per_episode = pd.read_csv(record / "per_episode.csv")
+    cols = [c for c in per_episode if c != "env_seed" and fnmatch.fnmatch(c, pattern)]
+    if not cols:
+        raise ValueError(f"no policy of {shown(record)} matches {pattern!r}: its policies are "
+                         f"{[c for c in per_episode if c != 'env_seed']}")
+    return per_episode["env_seed"], per_episode[cols].astype(float).mean(axis=1)
+
+
+def compare(record: Path, policy: str, against: Path, group: str) -> dict[str, float]:
+    """``policy`` of ``record`` paired, episode by episode, with the mean of ``group`` of ``against`` (a method's seeds):
+    both records must hold the same env seeds.  Returns the policy's success, the group's, and their paired
+    difference with its SE (``metrics.paired_means``)."""
+    seeds, x = episodes(record, policy)
+    other_seeds, y = episodes(against, group)
+    if not seeds.equals(other_seeds):
+        raise ValueError(f"{shown(record)} and {shown(against)} did not run the same episodes: evaluate both with the "
+                         "same --episodes and --seed")
+    ref, row = paired_means({"group": y.tolist(), "policy": x.tolist()})
+    return {"success": row["mean"], "group": ref["mean"], "diff": row["diff"], "diff_se": row["diff_se"]}
+
+
 def records(root: Path = RESULTS_ROOT) -> list[Path]:
     return sorted(p.parent for p in root.rglob("record.json"))
 
@@ -275,7 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     pub.add_argument("--force", action="store_true", help="replace an existing record")
     sub.add_parser("tables", help="rewrite every marked results table in the README and docs/ from results/")
     sub.add_parser("check", help="size budget, every record's numbers re-derived from its per-episode file, every "
-                                 "marked table as its record gives it")
+                                 "marked table as its record gives it, the README's rows against their data")
+    cmp_ = sub.add_parser("compare", help="one policy paired with the mean of a group of another record (a method's "
+                                          "seeds), on the same episodes")
+    cmp_.add_argument("record", help="results/<record>/ holding the policy")
+    cmp_.add_argument("policy", help="its label, or a pattern matching it (*dsrl_s0*)")
+    cmp_.add_argument("--against", required=True, help="results/<record>/ holding the group")
+    cmp_.add_argument("--group", required=True, help="a pattern for the group's labels (*cosine_s*)")
     args = ap.parse_args(argv)
     if args.cmd == "publish":
         try:
@@ -292,6 +324,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
         print("\n".join(done) or "every marked table is up to date")
+        return 0
+    if args.cmd == "compare":
+        try:
+            r = compare(Path(args.record), args.policy, Path(args.against), args.group)
+        except (FileNotFoundError, ValueError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(f"{args.policy}: {r['success']:.3f}; {args.group} (mean): {r['group']:.3f}; paired difference "
+              f"{r['diff']:+.3f} +- {r['diff_se']:.3f}")
         return 0
     problems = check()
     for p in problems:
