@@ -17,26 +17,21 @@
 # %% [markdown]
 # # 03 · ReinFlow: PPO through the noisy denoising chain
 #
-# Stages 1 and 2 learned from fixed data. Here the policy acts and improves by policy gradient. A flow policy has no
-# tractable likelihood for its action, so ReinFlow (Zhang et al. 2025) makes the **denoising chain** the policy:
-# noise added at every denoising step turns the sampler into a Gaussian MDP with an exact log-likelihood, and PPO
-# runs on that. This notebook runs each piece on one batch (a chain, its log-probability, the ratio, GAE, one PPO
-# update), then trains, with a control that must fail.
+# **The question.** Stages 1 and 2 learned from fixed data. Can a flow policy improve by acting, through a policy
+# gradient, when it has no tractable likelihood for its action? ReinFlow (Zhang et al. 2025) makes the **denoising
+# chain** the policy: noise added at every denoising step turns the sampler into a Gaussian MDP with an exact
+# log-likelihood, and PPO runs on that. **What the records say** (held-out episodes, paired with the start):
 #
-# It trains on `FastReach-v0` (`flowlib/envs/fast_envs.py`): a planar reach task stepped as torch tensors, where 512 envs
-# run millions of env steps in about a minute on 2 CPU cores. What runs where:
-#
-# | task, size | params | machine | result |
+# | task | start | after chain ReinFlow | record |
 # |---|---|---|---|
-# | FastReach, this notebook's defaults | none | CPU, 1-2 min | below |
-# | FastReach, the official batch (10k decisions per update) | `params/03_reinflow/fast_reach_mlp.yaml` | CPU, ~2 min of training | 0.521 -> 0.996 over 3 seeds ([record](../docs/fast_tasks.md)) |
-# | FastReach, 256 to 16k decisions per update | `params/03_reinflow/sample_size/` | CPU, 4-20 min each | 1.000 to 0.678 at 2.46M env steps ([curve](../docs/fast_tasks.md)) |
-# | FastPush, the contact task, 10k decisions per update | `params/03_reinflow/fast_push_mlp.yaml` | CPU, ~8 min of training | 0.672 -> 0.988-0.991 over 3 seeds ([record](../docs/fast_tasks.md)) |
-# | either task, the official ReinFlow recipe | `params/03_reinflow/recipe/` | CPU, 6-10 min | about 4x fewer env steps, slower per CPU second ([recipes](../docs/fast_tasks.md)) |
-# | PickCube-v1 at CPU scale (256 decisions per update) | `params/03_reinflow/cpu_dense.yaml` | CPU, 10-60 min | no gain ([what we know](../docs/explanations/cpu_scale.md)) |
-# | PickCube-v1, paper size | `params/03_reinflow/baseline.yaml` | GPU with `physx_cuda` | not run: `physx_cuda` cannot load on our machines |
+# | FastReach-v0 (torch, 2 min of CPU) | 0.521 | **0.994-0.998**, 3 seeds | [fast tasks](../docs/fast_tasks.md) |
+# | FastPush-v0 (torch, contact) | 0.672 | **0.988-0.991**, 3 seeds | [fast tasks](../docs/fast_tasks.md) |
+# | Meta-World pick-place / assembly (MuJoCo, CPU) | 0.620 / 0.580 | **0.930-0.970** / **0.980-0.990**, 3 seeds each | [Meta-World](../docs/results/metaworld.md), [data](../results/metaworld/) |
+# | PickCube-v1, CPU scale | ~0.6 | no gain in ~50 runs | [why](../docs/explanations/cpu_scale.md) |
 #
-# Steering the frozen flow instead (its initial noise, or a residual per env step) is notebook `06_steering`.
+# This notebook runs each piece on one batch (a chain, its log-probability, the ratio, GAE, one PPO update), then
+# trains on `FastReach-v0` (`flowlib/envs/fast_envs.py`, 512 envs stepped as torch tensors) with a control that must
+# fail. The runs behind the table, and what runs where, close the notebook.
 
 # %%
 import copy
@@ -292,3 +287,19 @@ print(f"success_once {gain['mean'] - gain['diff']:.3f} -> {gain['mean']:.3f} ({g
 # does not. Here an update sees 5,120 decisions. On this task 256 per update are enough too, at the same env-step
 # budget (the sample-size curve), while on PickCube at CPU scale about fifty runs at 256 never beat their start
 # ([what we know](../docs/explanations/cpu_scale.md)).
+
+# %% [markdown]
+# ## What runs where
+#
+# | task, size | params | machine | result |
+# |---|---|---|---|
+# | FastReach, this notebook's defaults | none | CPU, 1-2 min | above |
+# | FastReach, the official batch (10k decisions per update) | `params/03_reinflow/fast_reach_mlp.yaml` | CPU, ~2 min of training | 0.521 -> 0.996 over 3 seeds ([record](../docs/fast_tasks.md)) |
+# | FastReach, 256 to 16k decisions per update | `params/03_reinflow/sample_size/` | CPU, 4-20 min each | 1.000 to 0.678 at 2.46M env steps ([curve](../docs/fast_tasks.md)) |
+# | FastPush, the contact task, 10k decisions per update | `params/03_reinflow/fast_push_mlp.yaml` | CPU, ~8 min of training | 0.672 -> 0.988-0.991 over 3 seeds ([record](../docs/fast_tasks.md)) |
+# | either task, the official ReinFlow recipe | `params/03_reinflow/recipe/` | CPU, 6-10 min | about 4x fewer env steps, slower per CPU second ([recipes](../docs/fast_tasks.md)) |
+# | Meta-World pick-place, assembly, peg-insert-side | `params/03_reinflow/metaworld_*.yaml` | CPU, 8-38 min each | see the table above ([record](../docs/results/metaworld.md)) |
+# | PickCube-v1 at CPU scale (256 decisions per update) | `params/03_reinflow/cpu_dense.yaml` | CPU, 10-60 min | no gain ([what we know](../docs/explanations/cpu_scale.md)) |
+# | PickCube-v1, paper size | `params/03_reinflow/baseline.yaml` | GPU with `physx_cuda` | not run: `physx_cuda` cannot load on our machines |
+#
+# Steering the frozen flow instead (its initial noise, or a residual per env step) is notebook `06_steering`.

@@ -17,88 +17,20 @@
 # %% [markdown]
 # # 06 · Steering a frozen flow: its initial noise, a residual per chunk, a residual per env step
 #
-# Notebook 03 fine-tunes the flow's own weights through its noisy denoising chain (ReinFlow). At CPU scale that
-# never beat its start on PickCube: a chain-PPO update needs 15k-28k decisions before its direction is half signal
-# ([docs/stage3.md](../docs/stage3.md#why-a-cpu-sized-policy-gradient-is-almost-all-noise)). The methods here keep
-# the stage-1 flow **frozen** and learn something small around it: where its chain starts, or a bounded correction of
-# the actions it proposes. Each is one entry of `flowlib.methods.stage3.METHODS`, a `(steer, learner)` pair, trained by the
-# same loop (`flowlib.rl.loop.train`) as chain ReinFlow; the table below is printed from the registry.
+# **The question.** Notebook 03 fine-tunes the flow's own weights through its noisy chain (ReinFlow). Can something
+# small learned *around* a frozen stage-1 flow do as well or better: where its chain starts ($x_0$, DSRL), or a bounded
+# correction of the actions it proposes (a residual)? **What the records say** (held-out episodes, paired with the start):
 #
-# **Steering $x_0$ instead** (`steer = "latent"`, `flowlib.methods.latent.LatentSteeringAgent`, DSRL's idea). The flow stays frozen and PPO
-# moves a Gaussian policy over the chain's start, $x_0 \sim \mathcal{N}(\mu_\phi(o), \sigma^2 I)$ with
-# $|\mu| \le b$; the chain is the ODE. The log-prob has $H \times A$ dims of std $\sim 1$ instead of
-# $K \times H \times A$ of std $\sim 0.1$, and re-scoring is one MLP call. At the start ($\mu = 0$) the noisy
-# policy is the stage-1 policy; the deterministic one starts the chain at $x_0 = \mu$.
+# | task | the start | steering the frozen flow | the flow's weights moved (ReinFlow) |
+# |---|---|---|---|
+# | PickCube-v1, CPU | 0.55-0.63 | per-step residual, TD3: **0.962** over 11 seeds ([stage 3](../docs/results/stage3_pickcube.md)) | no gain in ~50 runs ([why](../docs/explanations/cpu_scale.md)) |
+# | Meta-World pick-place | 0.620 | DSRL: **0.995**, one seed ([data](../results/metaworld/pick_place_dsrl/)) | 0.930-0.970, 3 seeds ([data](../results/metaworld/pick_place_cosine/)) |
+# | FastPush-v0 | 0.672 | DSRL 0.995-0.998; per-step residual 0.50-0.52 ([fast tasks](../docs/fast_tasks.md#what-the-flow-buys-on-fastpush-and-the-seeds-other-methods-2026-12-03)) | 0.988-0.991 |
 #
-# **Learning it off-policy** (`learner = "sac"`, `flowlib.methods.latent_sac`, DSRL's learner). With the flow frozen,
-# $w = x_0$ is an action whose dynamics are fixed, so every decision so far can train a twin critic
-# $Q_j(o, w)$ on the SMDP target $y = R + \gamma^\tau (1 - \text{term}) \min_j \bar Q_j(o', w')$,
-# $w' \sim \pi(\cdot \mid o')$, from a replay buffer. The actor minimises
-# $\alpha\,\mathrm{KL}(\pi(\cdot \mid o) \,\|\, \mathcal{N}(0, I))/D - \min_j Q_j(o, \mu + \sigma\epsilon)$: the KL to
-# the stage-1 policy's own latent keeps $x_0$ where the flow and the critic have seen data, and $\alpha$ moves so
-# that the KL per dim stays at `sac_target_kl`. `critic_warmup_steps` fits $Q$ alone on the stage-1 policy's data.
-#
-# **Correcting the executed actions** (`steer = "residual"`, `flowlib.methods.residual`; residual RL, as ResiP and Policy
-# Decorator do with diffusion policies). The flow, from its own $x_0 \sim \mathcal{N}(0, I)$, proposes the chunk
-# whose executed part is $a_b$; PPO moves a Gaussian correction $r \sim \mathcal{N}(\mu_\phi(o, a_b), \sigma^2 I)$,
-# $|\mu| \le b$, and $a = a_b + r$ runs. The log-prob has the $T_a \times A$ dims of $r$ only ($x_0$ does not
-# depend on $\phi$ and cancels in the ratio). At the start ($\mu = 0$) the deterministic policy is the stage-1
-# policy; $\sigma$ must stay small: at $\sigma \approx 0.19$ (5-7 mm per step) the stage-1 policy plus the noise
-# alone succeeded in 0.06-0.2 of its training episodes, at 0.05 in about half, as without it.
-#
-# **Correcting every step, closed loop** (`steer = "residual_step"`, `learner = "td3"`, `flowlib.methods.residual_step`;
-# Residual Policy Learning, Silver et al. 2018). The flow still re-plans every $T_a$ steps and its chunk runs open
-# loop; at every env step a residual actor $r_t = \mu_\phi(o_t, a_b)$, $|r_t| \le b$, corrects the base action due now
-# from the *current* observation, and $a_t = a_b + r_t$ runs. Each env step is one transition of an ordinary MDP with
-# state $s_t = (o_t, a_b)$, learned off-policy by TD3 (Fujimoto et al. 2018;
-# `flowlib.methods.residual_td3.td3_update`): twin critics on
-# $y = R_t + \gamma (1 - \text{term}) \min_j \bar Q_j(s', \mathrm{clip}(\bar\mu(s') + \epsilon))$ and the deterministic
-# policy gradient $\nabla_\phi Q_1(s, \mu_\phi(s))$ every second critic step ($R_t$ is the step's reward, not the
-# residual). With `td3_n_step` $= n > 1$ the target sums $n$ rewards before it bootstraps,
-# $y = \sum_{k<m} \gamma^k R_{t+k} + \gamma^m (1 - \text{term}) \min_j \bar Q_j(s_{t+m}, \cdot)$, $m = n$ or fewer where
-# the episode ends (Sutton & Barto 2018, Eq. 7.1; D4PG and Rainbow use it without an off-policy correction): a
-# reward reaches the target $n$ steps back at once instead of through $n$ bootstraps of a critic still being fitted,
-# at the price of the exploration noise of the $n - 1$ steps after $t$ entering $Q(s_t, r_t)$. With `learner = "ppo"`
-# the same correction is learned on-policy: $r_t \sim \mathcal N(\mu_\phi(s_t), \sigma^2 I)$ unclipped, a state value
-# $V_\psi(s_t)$, GAE over env steps, and every env step is a PPO decision whose log-prob has the arm's 3 dims
-# (`params/06_steering/cpu_step_ppo.yaml`: 0.962 over three seeds at 1.02M env steps, 5-8x what TD3 needs; PPO
-# through the chain, given the same reward terms and 1.02M env steps, stays where it started, and the same residual
-# chosen once per chunk loses 0.17-0.19 on each of three seeds). Why per step: the stage-1 policy grasps the cube in
-# 0.90 of held-out episodes but places it in 0.58, hovering centimetres from the goal; a hand-written per-step nudge
-# towards the goal while grasped lifts it to 0.88 on the same 200 episodes.
-#
-# **The closed-loop finding, and the CPU target run.** Every chunk-level learner above decides once per chunk and
-# runs it open loop for $T_a$ steps. A per-step residual closes the loop, and that is what pays on PickCube:
-# `params/06_steering/cpu.yaml` (TD3 on a per-step residual over the frozen flow, with dense reach, grasp-gap and place
-# terms) takes stage 1 from ~0.6 to 0.96 over eleven seeds in 311k env steps, about an hour on 2 cores
-# ([the record](../docs/stage3.md#the-target-run-a-per-step-residual-on-the-frozen-flow-learned-by-td3)).
-# The same residual chosen once per chunk, with the same reward and budget, loses
-# ([the record](../docs/stage3.md#the-same-residual-learned-by-ppo-slower-and-it-gets-there)).
-#
-# **Why TD3 gets there first.** `benchmarks/gradient_snr.py` measures the per-step residual (`steer = "residual_step"`), whose decisions are single env steps.
-# With `learner = "ppo"` it takes the likelihood-ratio gradient of $\mathcal N(\mu_\phi(s), \sigma^2 I)$. With
-# `learner = "td3"` it takes TD3's deterministic policy gradient $\nabla_\phi Q_1(s, \mu_\phi(s))$
-# (`residual_td3.actor_loss`), which samples no noise of its own. At 311k env steps, PPO's gradient shows no signal in
-# 65k decisions on any of three seeds, while TD3's is detected on all three (5k-18k decisions for cosine 1/2). At
-# PPO's converged 1M checkpoint its gradient needs 25.8k: a 256-decision step is mostly noise for both. TD3 also
-# takes 8x as many steps per env step from its replay (docs/stage3.md, "The same residual, learned by PPO").
-#
-# **The comparison's other rows** (`flowlib.methods.rfc`, `flowlib.methods.fql`, `flowlib.methods.gaussian`). Three more registry entries ask
-# what the flow and its fine-tuning buy. RFC (`steer = "chain"`, `learner = "rfc"`) rolls out the noisy chain as
-# ReinFlow does, keeps the decisions a mask picks (`rfc_mask`: the episode succeeded, $A > 0$, or the top share by
-# $A$), and trains the flow on their chunks with stage 1's ShortCut loss: no ratio, no likelihood. Where a mask keeps
-# few decisions per rollout (PickCube at CPU scale), `rfc_buffer`, `rfc_min_kept` and `rfc_demo_fraction` remember
-# them over iterations, wait for a minibatch of them and mix the start's demos in
-# (`params/06_steering/pickcube_rfc_anchored/`). FQL (`steer =
-# "one_step"`, `learner = "fql"`) distils the frozen flow into a one-step policy $\mu_\omega(s, z)$ pushed up a
-# critic, $-Q(s, \mu_\omega(s, z))/|Q| + \alpha\,|\mu_\omega(s, z) - \mu_\theta(s, z)|^2$, offline on the demos
-# (before the run: the "before" row), then online from a replay seeded with them. The Gaussian baseline (`steer =
-# "gaussian"`) has no flow at all: an MLP mean cloned from the same demos, fine-tuned by the same PPO. Their runs on
-# the fast contact task are `params/06_steering/fast_push_*.yaml`
-# ([the record](../docs/fast_tasks.md#what-the-flow-buys-on-fastpush-and-the-seeds-other-methods-2026-12-03)).
-#
-# The defaults below are a short CPU run of the per-step residual by TD3 from notebook 01's default checkpoint: it
-# shows the machinery in a minute, not a better policy. `params/06_steering/*.yaml` hold the runs of the record.
+# Every method is one entry of `flowlib.methods.stage3.METHODS`, a `(steer, learner)` pair trained by the same loop
+# (`flowlib.rl.loop.train`) as chain ReinFlow; the sections after the registry's table give each one's math. The
+# defaults below are a short CPU run of the per-step residual by TD3 from notebook 01's default checkpoint: they show
+# the machinery in a minute, not a better policy; `params/06_steering/*.yaml` hold the runs of the record.
 
 # %%
 import matplotlib.pyplot as plt
@@ -173,6 +105,73 @@ print(f"from {init_path.parent.name}/{init_path.name}; {env.num_envs} env(s) on 
 # %%
 pd.DataFrame([{"steer": s, "learner": lr, "method": m.summary, "reads": ", ".join(c.__name__ for c in m.configs)}
               for (s, lr), m in stage3.METHODS.items()])
+
+# %% [markdown]
+# ## The methods
+#
+# **Steering $x_0$** (`steer = "latent"`, `flowlib.methods.latent.LatentSteeringAgent`, DSRL's idea). The flow stays frozen
+# and PPO moves a Gaussian policy over the chain's start, $x_0 \sim \mathcal{N}(\mu_\phi(o), \sigma^2 I)$ with
+# $|\mu| \le b$; the chain is the ODE. The log-prob has $H \times A$ dims of std $\sim 1$ instead of
+# $K \times H \times A$ of std $\sim 0.1$, and re-scoring is one MLP call. At the start ($\mu = 0$) the noisy
+# policy is the stage-1 policy; the deterministic one starts the chain at $x_0 = \mu$.
+#
+# **Learning it off-policy** (`learner = "sac"`, `flowlib.methods.latent_sac`, DSRL's learner). With the flow frozen,
+# $w = x_0$ is an action whose dynamics are fixed, so every decision so far can train a twin critic
+# $Q_j(o, w)$ on the SMDP target $y = R + \gamma^\tau (1 - \text{term}) \min_j \bar Q_j(o', w')$,
+# $w' \sim \pi(\cdot \mid o')$, from a replay buffer. The actor minimises
+# $\alpha\,\mathrm{KL}(\pi(\cdot \mid o) \,\|\, \mathcal{N}(0, I))/D - \min_j Q_j(o, \mu + \sigma\epsilon)$: the KL to
+# the stage-1 policy's own latent keeps $x_0$ where the flow and the critic have seen data, and $\alpha$ moves so
+# that the KL per dim stays at `sac_target_kl`. `critic_warmup_steps` fits $Q$ alone on the stage-1 policy's data.
+#
+# **Correcting a chunk's executed actions** (`steer = "residual"`, `flowlib.methods.residual`; residual RL, as ResiP and
+# Policy Decorator do with diffusion policies). The flow, from its own $x_0 \sim \mathcal{N}(0, I)$, proposes the chunk
+# whose executed part is $a_b$; PPO moves a Gaussian correction $r \sim \mathcal{N}(\mu_\phi(o, a_b), \sigma^2 I)$,
+# $|\mu| \le b$, and $a = a_b + r$ runs. The log-prob has the $T_a \times A$ dims of $r$ only ($x_0$ does not
+# depend on $\phi$ and cancels in the ratio). $\sigma$ must stay small: at $\sigma \approx 0.19$ (5-7 mm per step)
+# the stage-1 policy plus the noise alone succeeded in 0.06-0.2 of its training episodes, at 0.05 in about half.
+
+# %% [markdown]
+# ### Correcting every step, closed loop
+#
+# `steer = "residual_step"` (`flowlib.methods.residual_step`; Residual Policy Learning, Silver et al. 2018). The flow
+# still re-plans every $T_a$ steps and its chunk runs open loop; at every env step a residual actor
+# $r_t = \mu_\phi(o_t, a_b)$, $|r_t| \le b$, corrects the base action due now from the *current* observation, and
+# $a_t = a_b + r_t$ runs. Each env step is one transition of an ordinary MDP with state $s_t = (o_t, a_b)$, learned
+# off-policy by TD3 (`learner = "td3"`; Fujimoto et al. 2018, Eq. 15; `flowlib.methods.residual_td3.td3_update`): twin
+# critics on $y = R_t + \gamma (1 - \text{term}) \min_j \bar Q_j(s', \mathrm{clip}(\bar\mu(s') + \epsilon))$ and the
+# deterministic policy gradient $\nabla_\phi Q_1(s, \mu_\phi(s))$ every second critic step. With `td3_n_step`
+# $= n > 1$ the target sums $n$ rewards before it bootstraps (Sutton & Barto 2018, Eq. 7.1), so a reward reaches the
+# target $n$ steps back at once, at the price of the exploration noise of the $n - 1$ steps after $t$ entering
+# $Q(s_t, r_t)$. With `learner = "ppo"` (`flowlib.methods.residual_step_ppo`) the same correction is learned
+# on-policy: $r_t \sim \mathcal N(\mu_\phi(s_t), \sigma^2 I)$ unclipped, a state value $V_\psi(s_t)$, GAE over env
+# steps, every env step a PPO decision whose log-prob has the arm's 3 dims.
+#
+# **Why per step, and why TD3.** The stage-1 policy grasps the cube in 0.90 of held-out episodes but places it in
+# 0.58, hovering centimetres from the goal; a hand-written per-step nudge towards the goal while grasped lifts it to
+# 0.88 on the same 200 episodes. `params/06_steering/cpu.yaml` (TD3, dense reach, grasp-gap and place terms) takes
+# stage 1 from ~0.6 to 0.96 over eleven seeds in 311k env steps, about an hour on 2 cores; the same residual chosen
+# once per chunk loses ([the record](../docs/stage3.md#the-target-run-a-per-step-residual-on-the-frozen-flow-learned-by-td3)).
+# PPO on the per-step residual gets there too (`params/06_steering/cpu_step_ppo.yaml`: 0.962 over three seeds) at
+# 1.02M env steps, 5-8x TD3's budget: `benchmarks/gradient_snr.py` finds no signal in PPO's likelihood-ratio gradient in
+# 65k decisions at 311k env steps, where TD3's deterministic gradient (`residual_td3.actor_loss`, no sampled noise of
+# its own) is detected in 5k-18k, and TD3 takes 8x as many steps per env step from its replay
+# ([the record](../docs/stage3.md#the-same-residual-learned-by-ppo-slower-and-it-gets-there)).
+
+# %% [markdown]
+# ### The comparison's other rows
+#
+# `flowlib.methods.rfc`, `flowlib.methods.fql`, `flowlib.methods.gaussian` ask what the flow and its fine-tuning buy.
+# RFC (`steer = "chain"`, `learner = "rfc"`) rolls out the noisy chain as ReinFlow does, keeps the decisions a mask
+# picks (`rfc_mask`: the episode succeeded, $A > 0$, or the top share by $A$), and trains the flow on their chunks
+# with stage 1's ShortCut loss: no ratio, no likelihood. Where a mask keeps few decisions per rollout,
+# `rfc_buffer`, `rfc_min_kept` and `rfc_demo_fraction` remember them over iterations, wait for a minibatch and mix
+# the start's demos in (`params/06_steering/pickcube_rfc_anchored/`). FQL (`steer = "one_step"`, `learner = "fql"`)
+# distils the frozen flow into a one-step policy $\mu_\omega(s, z)$ pushed up a critic,
+# $-Q(s, \mu_\omega(s, z))/|Q| + \alpha\,|\mu_\omega(s, z) - \mu_\theta(s, z)|^2$, offline on the demos (the "before"
+# row), then online from a replay seeded with them. The Gaussian baseline (`steer = "gaussian"`) has no flow at all:
+# an MLP mean cloned from the same demos, fine-tuned by the same PPO. Their runs on the fast contact task are
+# `params/06_steering/fast_push_*.yaml`
+# ([the record](../docs/fast_tasks.md#what-the-flow-buys-on-fastpush-and-the-seeds-other-methods-2026-12-03)).
 
 # %% [markdown]
 # ## Before: the deterministic agent on held-out seeds
