@@ -5,7 +5,8 @@ The folders are the layers, bottom to top; a module imports only from its own fo
 
 infra     config, runs, tracking, progress, guards, sysdeps, lab, schedules, metrics, grad_signal
 flows     models (ReFlow, MeanFlow, ShortCut), nets, unet, distributions, flow_sde, toy2d
-envs      tasks, maniskill (make_env), metaworld_envs, fast_envs, vector, visual, visual_demos, data, smdp
+envs      tasks, maniskill (make_env), metaworld_envs, fast_envs, fast_avoid, fast_tasks, vector, visual,
+          visual_demos, data, smdp
 policies  encoders, chunk_policy, policy_eval, bc (stage 1), critic, awsc (stage 2)
 rl        advantages, ppo, buffers, loop, learners, asymmetric
 methods   reinflow_agent, reinflow, steering, latent, latent_sac, residual, residual_step, residual_td3,

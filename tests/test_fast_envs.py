@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from flowlib.envs.data import generate_demos, load_demos
+from flowlib.envs.fast_avoid import OBSTACLE_RADIUS, FastAvoid
 from flowlib.envs.fast_envs import MAX_STEP, FastPush, FastReach, demonstrate
 from flowlib.envs.maniskill import control_mode, make_env
 from flowlib.envs.smdp import ChunkRunner
@@ -65,7 +66,7 @@ def test_push_success_needs_the_disc_within_three_centimetres_of_the_goal():
     assert env.step(torch.zeros(1, 2))[4].item()
 
 
-@pytest.mark.parametrize("task", [FastReach, FastPush])
+@pytest.mark.parametrize("task", [FastReach, FastPush, FastAvoid])
 def test_an_episode_depends_on_its_seed_alone_not_on_num_envs_or_a_partial_reset(task):
     many, one = task(4), task(1)
     obs = many.reset(seed=100)
@@ -81,7 +82,8 @@ def test_an_episode_depends_on_its_seed_alone_not_on_num_envs_or_a_partial_reset
 
 
 # the push demonstrator is set higher (0.76 of its 1,000 demos): its clone loses ~half of that (docs/fast_tasks.md)
-@pytest.mark.parametrize("task, low, high", [("FastReach-v0", 0.5, 0.8), ("FastPush-v0", 0.6, 0.9)])
+@pytest.mark.parametrize("task, low, high", [("FastReach-v0", 0.5, 0.8), ("FastPush-v0", 0.6, 0.9),
+                                             ("FastAvoid-v0", 0.7, 0.9)])
 def test_the_demonstrator_is_imperfect_in_the_intended_band(task, low, high):
     env = make_env(task, 400)
     env.reset(seed=0)
@@ -123,3 +125,59 @@ def test_the_chunk_runner_of_stage_3_steps_a_fast_task_with_auto_reset():
     out = runner.step_chunk(torch.zeros(3, 4, 2))  # the time limit ends every episode inside the chunk
     assert out["end"].all() and not out["terminal"].any() and out["next_window"].shape == (3, 2, 6)
     assert len(runner.pop_finished()) == 3 and runner.next_seed == 56
+
+
+# --------------------------------------------------------------------------- FastAvoid: two modes, and their mean collides
+
+
+def run(env, policy, steps=None):
+    """Each episode's success and flags (ever true) under ``policy(env) -> actions [N, 2]``."""
+    once = {k: torch.zeros(env.num_envs, dtype=torch.bool) for k in ("success", "is_hit", "is_left", "is_right")}
+    for _ in range(steps or env.max_episode_steps):
+        once["success"] |= env.step(policy(env))[4]
+        for k in ("is_hit", "is_left", "is_right"):
+            once[k] |= env.task_flags[k]
+    return once
+
+
+def test_the_avoid_demonstrator_takes_both_sides_in_its_share_and_the_straight_mean_path_collides():
+    env = make_env("FastAvoid-v0", 2000)
+    env.reset(seed=0)
+    gen = torch.Generator().manual_seed(0)
+    demos = run(env, lambda e: demonstrate(e, gen))
+    assert 0.45 <= demos["is_left"].float().mean() <= 0.55 and 0.45 <= demos["is_right"].float().mean() <= 0.55
+    assert not (demos["is_left"] & demos["is_right"]).any()  # one side per episode
+    env.reset(seed=0)
+    def straight(e):  # the two modes' mean: no detour
+        return 0.6 * (e.state["g"] - e.state["p"]) / (e.state["g"] - e.state["p"]).norm(dim=-1, keepdim=True)
+
+    straight = run(env, straight)
+    assert straight["is_hit"].all() and not straight["success"].any()
+
+
+def test_a_collision_stops_the_point_on_the_surface_and_fails_the_episode_even_at_the_goal():
+    env = placed(FastAvoid(1), p=(-0.4, 0.0), g=(0.4, 0.0), o=(0.0, 0.0))
+    env.step(torch.tensor([[1.0, 0.0]]))                                   # to x = -0.35: clear of the disc
+    assert not env.task_flags["is_hit"][0]
+    for _ in range(3):
+        env.step(torch.tensor([[1.0, 0.0]]))
+    assert env.task_flags["is_hit"][0] and torch.allclose(env.state["p"][0].norm(), torch.tensor(OBSTACLE_RADIUS))
+    env.state["p"][0] = torch.tensor([0.39, 0.0])                           # at the goal, after the collision
+    assert not env.step(torch.zeros(1, 2))[4][0]
+
+
+def test_the_mode_flags_say_which_side_a_hand_made_path_passed_on():
+    env = make_env("FastAvoid-v0", 2)
+    env.reset(seed=0)
+    for k, v in {"p": (-0.5, 0.0), "g": (0.5, 0.0), "o": (0.0, 0.0)}.items():
+        env.state[k][:] = torch.tensor(v)
+    waypoints = torch.tensor([[[-0.1, 0.4], [0.1, 0.4], [0.5, 0.0]], [[-0.1, -0.4], [0.1, -0.4], [0.5, 0.0]]])
+
+    def follow(e):  # each env to its next waypoint at full speed
+        k = (e.state["p"][:, 0:1] > waypoints[:, :, 0] - 0.01).sum(1).clamp(max=2)
+        target = waypoints[torch.arange(2), k]
+        return ((target - e.state["p"]) / MAX_STEP).clamp(-1, 1)
+
+    flags = run(env, follow, steps=40)
+    assert flags["is_left"].tolist() == [True, False] and flags["is_right"].tolist() == [False, True]
+    assert not flags["is_hit"].any() and flags["success"].all()

@@ -5,6 +5,8 @@
                     ``make_env`` for every backend
     metaworld_envs  Meta-World v3 (MuJoCo) tasks: seeded positions per episode, worker groups, the scripted experts
     fast_envs       thousands of planar envs stepped as torch tensors (FastReach, FastPush), behind make_env's interface
+    fast_avoid      FastAvoid-v0: reach a goal past an obstacle, around either side (demos with two modes)
+    fast_tasks      the fast tasks by name (FAST_TASKS) and their demonstrators
     vector          gymnasium's vector envs as the CPU simulators use them; EnvGroups, a group of envs per worker
     visual          RGB(-D) images and point clouds as packed observation vectors, from the env and from demos
     visual_demos    the state demos rendered into a visual obs mode, and their training windows

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from flowlib.envs.fast_envs import FAST_TASKS, demonstrate
+from flowlib.envs.fast_tasks import FAST_TASKS, demonstrate
 from flowlib.envs.maniskill import check_env_id, clear_grasp_at_reset, is_fast
 from flowlib.envs.maniskill import control_mode as task_control_mode
 from flowlib.envs.metaworld_envs import expert_episodes

@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from flowlib.envs.fast_envs import CONTROL_MODE as FAST_CONTROL_MODE
-from flowlib.envs.fast_envs import FAST_TASKS, EnvSpec  # noqa: F401  (EnvSpec: every env's, re-exported)
+from flowlib.envs.fast_envs import EnvSpec  # noqa: F401  (EnvSpec: every env's, re-exported)
+from flowlib.envs.fast_tasks import FAST_TASKS
 from flowlib.envs.metaworld_envs import MetaWorldVecEnv, check_task, is_metaworld
 from flowlib.envs.tasks import task
 from flowlib.envs.vector import vector_env
