@@ -217,18 +217,20 @@ RECORD_ONLY = "record only"  # a README row whose evaluation files are gone says
 
 def record_values(folder: Path) -> list[float]:
     """Every rate a row may quote from the records under ``folder``: successes, their SEs, paired differences and
-    their SEs, and success at the episode's end."""
+    their SEs, success at the episode's end, and the share of episodes where each of the task's flags was ever true
+    (``*_once``: a grasp, a collision, a side passed)."""
     out = []
     for record in records(folder):
         table_ = pd.read_csv(record / "results.csv")
-        out += [float(v) for key in ("success", "se", "diff", "diff_se", "success_at_end") for v in table_[key]]
+        keys = ["success", "se", "diff", "diff_se", "success_at_end", *[c for c in table_ if c.endswith("_once")]]
+        out += [float(v) for key in keys for v in table_[key]]
     return out
 
 
 def readme_problems(repo: Path = REPO_ROOT, root: Path = RESULTS_ROOT) -> list[str]:
     """The README's results-at-a-glance rows against their data: a row that links ``results/...`` must quote only
-    numbers its records hold (each decimal within half a unit of its last printed digit of a success, SE or paired
-    difference there); a row without such a link must say ``record only`` in its record cell."""
+    numbers its records hold (each decimal within half a unit of its last printed digit of a success, SE, paired
+    difference or flag share there); a row without such a link must say ``record only`` in its record cell."""
     problems = []
     for n, line in enumerate((repo / "README.md").read_text().splitlines(), 1):
         m = README_ROW.match(line)
