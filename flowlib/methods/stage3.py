@@ -183,7 +183,10 @@ def parameter_groups(steer_learner: tuple[str, str] | None = None) -> list[tuple
     """Stage 3's fields grouped by the dataclass that declares them, each group headed by who reads it: the run's
     (``RunConfig``, every method), the method choice, then each method config with its readers.  With
     ``steer_learner`` only the groups that method reads: the options it shows (``python -m flowlib.run
-    06_steering --show-params residual_step/td3``)."""
+    06_steering --show-params residual_step/td3``); an unknown pair is a ``ValueError`` naming the registered ones."""
+    if steer_learner is not None and steer_learner not in METHODS:
+        raise ValueError(f"no stage-3 method {'/'.join(steer_learner)!r}: choose one of (steer/learner) "
+                         f"{', '.join(f'{s}/{lr}' for s, lr in METHODS)}")
     declared: dict[str, type] = {}
     for cls in (RunConfig, ShapingConfig, MethodChoice, *METHOD_CONFIGS):
         for name in cls.__annotations__:  # its own fields, not its bases'

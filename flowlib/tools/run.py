@@ -111,11 +111,10 @@ def show_params(notebook: str, method: str = "") -> list[str]:
             raise ConfigError(f"{notebook} has no stage-3 methods: --show-params takes no method there")
         return parameter_cell(cls, values, [])
     pair = tuple(method.split("/")) if method else None
-    methods = _function(NOTEBOOK_GROUPS[notebook].replace("parameter_groups", "METHODS"))
-    if pair is not None and pair not in methods:
-        raise ConfigError(f"no stage-3 method {method!r}: choose one of (steer/learner) "
-                          f"{', '.join(f'{s}/{lr}' for s, lr in methods)}")
-    groups = _function(NOTEBOOK_GROUPS[notebook])(pair)
+    try:
+        groups = _function(NOTEBOOK_GROUPS[notebook])(pair)
+    except ValueError as err:  # a pair the registry does not hold
+        raise ConfigError(str(err)) from err
     if pair is not None:
         values = {n: values[n] for _, names in groups for n in names}
     return parameter_cell(cls, values, groups)
