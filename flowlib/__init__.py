@@ -4,7 +4,7 @@ The folders are the layers, bottom to top; a module imports only from its own fo
 (tests/test_layers.py; docs/architecture.md draws them). Each folder's ``__init__`` lists its modules, one job each:
 
 infra     config, runs, tracking, progress, guards, sysdeps, lab, schedules, metrics, grad_signal
-flows     models (ReFlow, MeanFlow, ShortCut), nets, unet, distributions, flow_sde, toy2d
+flows     models (ReFlow, MeanFlow, ShortCut), diffusion (DDPM), nets, unet, distributions, flow_sde, toy2d
 envs      tasks, maniskill (make_env), metaworld_envs, fast_envs, fast_avoid, fast_tasks, vector, visual,
           visual_demos, data, smdp
 policies  encoders, chunk_policy, policy_eval, bc (stage 1), critic, awsc (stage 2)

@@ -18,7 +18,8 @@
 # # 01 · Stage 1: ShortCut Flow behaviour cloning on ManiSkill3 (PickCube-v1)
 #
 # The first stage of the pipeline: clone motion-planned demonstrations with a **step-size-conditioned
-# flow over action chunks**, evaluated in the real simulator with 1, 2, 4 and 8 integration steps.
+# flow over action chunks**, evaluated in the real simulator with 1, 2, 4 and 8 integration steps, then set
+# against its DDPM twin (Diffusion Policy's objective on the same demos, net and steps) at 100, 10, 4 and 1 steps.
 #
 # **Action chunking** (Zhao et al. 2023; Chi et al. 2023). The policy sees a window of the last
 # $T_o = 2$ observations and predicts a chunk of $H = 16$ future actions, of which it executes the
@@ -41,6 +42,7 @@
 # replays the initial states it was trained on far better than new ones.
 
 # %%
+import dataclasses
 import json
 import time
 
@@ -49,12 +51,13 @@ import numpy as np
 import pandas as pd
 import torch
 
-from flowlib.policies import bc
+from flowlib.flows import diffusion
+from flowlib.policies import bc, policy_eval
 from flowlib.infra import config, runs
 from flowlib.envs import visual
 from flowlib.envs.data import check_held_out
 from flowlib.envs.maniskill import make_env
-from flowlib.infra.tracking import start_run
+from flowlib.infra.tracking import Tracker, start_run
 
 # %% tags=["parameters"]
 # Defaults: the small CPU run (minutes; the policy will not solve the task yet).
@@ -76,6 +79,11 @@ camera_size: int = 64  # the camera's width and height in pixels (visual obs mod
 num_points: int = 512  # points per point-cloud frame (obs_mode pointcloud)
 random_shift: int = 4  # DrQ's image augmentation: pad and re-crop by up to this many pixels (0: off)
 demos_in_memory: bool = True  # visual demos: read every frame once; false: stream each batch's from disk
+model: str = "shortcut"  # "shortcut"; "reflow" or "meanflow" (plain flows); "ddpm" (the diffusion baseline)
+diffusion_steps: int = 100  # model ddpm: its training timesteps T (sampling takes 1 to T steps)
+diffusion_sampler: str = "ddim"  # model ddpm: the sampler the periodic evaluations (best_model.pt) use
+compare_diffusion: bool = True  # a flow model: also train its DDPM twin (same demos, net, steps) and compare
+diffusion_eval_steps: list[int] = [100, 10, 4, 1]  # the twin's step counts
 shortcut_max_steps: int = 8  # the finest ShortCut step d_min is 1 / shortcut_max_steps
 bootstrap_fraction: float = 0.25  # share of each batch given the ShortCut self-consistency target
 ema_decay: float = 0.995  # decay of the weights' exponential moving average (the evaluated policy)
@@ -211,14 +219,14 @@ train_time = time.time() - t0
 history = pd.DataFrame(tracker.rows)
 fig, ax = plt.subplots(figsize=(6, 2.8))
 ax.plot(history["step"], history["loss"], label="loss")
-ax.plot(history["step"], history["flow_mse"], label="flow-matching part")
-if "consistency_mse" in history:  # absent with bootstrap_fraction 0 (plain flow matching)
-    ax.plot(history["step"], history["consistency_mse"], label="self-consistency part")
+for part, label in (("flow_mse", "flow-matching part"), ("consistency_mse", "self-consistency part")):
+    if part in history:  # ShortCut's parts; no self-consistency part with bootstrap_fraction 0, none for model reflow
+        ax.plot(history["step"], history[part], label=label)
 ax.set_yscale("log")
 ax.set_xlabel("step")
 ax.set_ylabel("loss")
 ax.legend()
-ax.set_title("ShortCut BC's loss and its two parts")
+ax.set_title(f"stage 1's loss ({cfg.model}) and its parts")
 runs.save_figure(fig, run_path, "loss")
 plt.show()
 print(f"trained {cfg.train_steps} steps in {train_time:.0f}s")
@@ -257,6 +265,63 @@ results.round(3)
 print(f"success rates are fractions of {cfg.num_eval_episodes} episodes: "
       f"{all(0 <= v <= 1 for v in results[['success_once', 'success_at_end']].to_numpy().ravel())}")
 print(f"success_at_end <= success_once: {bool((results['success_at_end'] <= results['success_once']).all())}")
+
+# %% [markdown]
+# ## Flow against diffusion, at each step count
+# The field's standard for action chunks is Diffusion Policy (Chi et al. 2023): a DDPM that learns the noise added to a
+# demo chunk. With $\bar\alpha_k$ the squared-cosine schedule over $T = 100$ timesteps and $\epsilon \sim \mathcal N(0, I)$,
+# $$a_k = \sqrt{\bar\alpha_k}\, a + \sqrt{1 - \bar\alpha_k}\, \epsilon, \qquad
+#   \mathcal L = \mathbb E_{k, \epsilon}\,\big\|\epsilon - \epsilon_\theta(a_k, k \mid o)\big\|^2$$
+# (Ho et al. 2020, Eqs. 4 and 14; `flowlib.flows.diffusion.DDPM.loss`), sampled by DDPM's ancestral chain (stochastic) or by DDIM (Song et al. 2021,
+# Eq. 12, deterministic) with `diffusers`' schedulers. Its twin here (`flowlib.flows.diffusion.DDPM`, made by
+# `bc.diffusion_twin`) has this run's demos, U-Net, optimiser, EMA and gradient steps; only the objective and the
+# sampler differ. Both are scored on the same held-out episodes; "ms per chunk" is one `act` on one window here.
+
+# %%
+if cfg.compare_diffusion and cfg.model != "ddpm":
+    twin = bc.diffusion_twin(cfg)
+    twin_tracker = Tracker(run_path / "ddpm", dataclasses.asdict(twin), wandb_mode=cfg.wandb_mode,
+                           project="flowlib-01", name=f"{cfg.run_name}-ddpm", resume=cfg.resume)
+    t0 = time.time()
+    twin_policy, _ = bc.train(twin, dataset, run_path / "ddpm", twin_tracker, env=env)
+    twin_time = time.time() - t0
+    rows = [{"model": cfg.model, "sampler": "ode", "steps": K, "success_once": results.loc[K, "success_once"],
+             "success_at_end": results.loc[K, "success_at_end"], "ms per chunk": policy_eval.chunk_ms(policy, K),
+             "train s": train_time} for K in cfg.eval_inference_steps]
+    for sampler in diffusion.SAMPLERS:
+        twin_policy.flow.sampler = sampler
+        for K in twin.eval_inference_steps:
+            r = bc.evaluate(twin_policy, env, cfg.num_eval_episodes, K, seed=cfg.eval_seed)
+            rows.append({"model": "ddpm", "sampler": sampler, "steps": K, "success_once": r["success_once"],
+                         "success_at_end": r["success_at_end"], "ms per chunk": policy_eval.chunk_ms(twin_policy, K),
+                         "train s": twin_time})
+    twin_tracker.summary({"train_time_s": twin_time, "results": rows})
+    twin_tracker.finish()
+    comparison = pd.DataFrame(rows)
+    comparison.to_csv(run_path / "flow_vs_diffusion.csv", index=False)
+    fig, ax = plt.subplots(figsize=(5.5, 2.8))
+    for (model, sampler), part in comparison.groupby(["model", "sampler"], sort=False):
+        ax.plot(part["steps"], part["success_once"], marker="o", label=f"{model} ({sampler})")
+    ax.set_xscale("log")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("denoising / integration steps per chunk")
+    ax.set_ylabel("success_once")
+    ax.legend(fontsize=8)
+    ax.set_title(f"{cfg.env_id}: {cfg.model} against its DDPM twin, {cfg.num_eval_episodes} held-out episodes")
+    runs.save_figure(fig, run_path, "flow_vs_diffusion")
+    plt.show()
+else:
+    comparison = None
+    print("no diffusion twin: compare_diffusion is off, or this run is the DDPM (model: ddpm) itself")
+comparison.round(3) if comparison is not None else None
+
+# %%
+# NBVAL_CHECK_OUTPUT
+if comparison is not None:
+    print("rows:", {f"{m} ({s})": list(part["steps"]) for (m, s), part in comparison.groupby(["model", "sampler"], sort=False)})
+    twin_rows = pd.DataFrame(twin_tracker.rows)
+    print(f"the twin trained as many steps: {int(twin_rows['step'].max()) == cfg.train_steps}")
+    print(f"its noise-prediction loss went down: {twin_rows['loss'].iloc[-3:].mean() < twin_rows['loss'].iloc[:3].mean()}")
 
 # %% [markdown]
 # ## What the encoder attends to

@@ -139,7 +139,7 @@ def test_the_package_index_lists_every_module_under_its_folder():
 # tasks need neither) or slow to import: the only imports a function may hold, each loaded where it is needed, so
 # that a fast task runs without the simulators and `python -m flowlib.results check` does not start torch
 LAZY = {"mani_skill", "sapien", "metaworld", "gymnasium", "h5py", "papermill", "nbconvert", "jupyter_server_mathjax",
-        "ray", "wandb", "ipywidgets", "tqdm", "torch"}
+        "ray", "wandb", "ipywidgets", "tqdm", "torch", "diffusers"}
 
 
 def function_imports(path: Path) -> list[str]:

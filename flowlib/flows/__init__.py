@@ -2,6 +2,7 @@
 
     models    ReFlow, MeanFlow, ShortCut; the time convention (t = 0 noise, t = 1 data); the sampler
     nets      velocity networks with the interface net(x, t, d, obs); MLPs, twin Q; ReinFlow's noise net
+    diffusion DDPM, stage 1's diffusion baseline: epsilon prediction, DDPM / DDIM sampling by diffusers' schedulers
     unet      ShortCutVelocityUNet1D, the 1D temporal U-Net over action chunks; ChunkVelocityMLP
     distributions  diagonal and chunk-correlated Gaussians: log-densities, entropies, correlated noise
     flow_sde  stochastic denoising steps: score from velocity, Flow-SDE, Flow-CPS, learned noise, hybrid masks

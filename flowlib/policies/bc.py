@@ -6,6 +6,7 @@ The policy it trains, ``FlowPolicy``, and the checkpoint format every stage read
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from flowlib.envs.maniskill import control_mode as task_control_mode
 from flowlib.envs.maniskill import is_fast
 from flowlib.envs.visual import augment_window, check_obs_mode
 from flowlib.envs.visual_demos import VisualChunkDataset, replay_visual
+from flowlib.flows.diffusion import SAMPLERS
 from flowlib.infra import progress
 from flowlib.infra.config import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_fields
 from flowlib.infra.guards import require_finite
@@ -28,10 +30,12 @@ from flowlib.policies.chunk_policy import (  # noqa: F401  (bc.<name> keeps work
     AW_CHECKPOINT_FORMAT,
     CHECKPOINT_FORMAT,
     META_DEFAULTS,
+    META_DEFAULTS_MODEL,
     META_DEFAULTS_OBS,
     POLICY_FORMATS,
     VELOCITY_NETS,
     ChunkPolicy,
+    MODELS,
     FlowPolicy,
     build_policy,
     check_act_horizon,
@@ -69,6 +73,11 @@ class ShortCutBCConfig:
     num_points: PositiveInt = 512       # points per point-cloud frame (obs_mode pointcloud)
     random_shift: NonNegativeInt = 4    # DrQ's image augmentation: pad and re-crop by up to this many pixels (0: off)
     demos_in_memory: bool = True        # visual demos: read every frame once; false: stream each batch's from disk
+    model: str = "shortcut"             # "shortcut"; "reflow" or "meanflow" (plain flows); "ddpm" (the diffusion baseline)
+    diffusion_steps: PositiveInt = 100  # model ddpm: its training timesteps T (sampling takes 1 to T steps)
+    diffusion_sampler: str = "ddim"     # model ddpm: the sampler the periodic evaluations (best_model.pt) use
+    compare_diffusion: bool = True      # a flow model: also train its DDPM twin (same demos, net, steps) and compare
+    diffusion_eval_steps: list[PositiveInt] = field(default_factory=lambda: [100, 10, 4, 1])  # the twin's step counts
     shortcut_max_steps: PositiveInt = 8  # the finest ShortCut step d_min is 1 / shortcut_max_steps
     bootstrap_fraction: Fraction = 0.25  # share of each batch given the ShortCut self-consistency target
     ema_decay: Fraction = 0.995
@@ -104,9 +113,20 @@ class ShortCutBCConfig:
             raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if self.action_norm not in Normalizer.MODES:
             raise ValueError(f"action_norm must be one of {Normalizer.MODES}, got {self.action_norm!r}")
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
+        if self.diffusion_sampler not in SAMPLERS:
+            raise ValueError(f"diffusion_sampler must be one of {SAMPLERS}, got {self.diffusion_sampler!r}")
+        too_many = [k for k in self.diffusion_eval_steps if k > self.diffusion_steps]
+        if too_many:
+            raise ValueError(f"diffusion_eval_steps {too_many} exceed diffusion_steps={self.diffusion_steps}: a DDPM "
+                             f"samples with at most its training timesteps")
         for k in [*self.eval_inference_steps, self.select_inference_steps]:
-            if k > self.shortcut_max_steps or self.shortcut_max_steps % k:
+            if self.model == "shortcut" and (k > self.shortcut_max_steps or self.shortcut_max_steps % k):
                 raise ValueError(f"inference steps {k} must divide shortcut_max_steps={self.shortcut_max_steps}")
+            if self.model == "ddpm" and k > self.diffusion_steps:
+                raise ValueError(f"inference steps {k} exceed the DDPM's diffusion_steps={self.diffusion_steps}: "
+                                 f"sample with at most {self.diffusion_steps} steps or raise diffusion_steps")
         check_obs_mode(self.obs_mode)
         if self.obs_mode != "state" and not self.obs_emb_dim:
             raise ValueError(f"obs_mode {self.obs_mode!r} reads the view through an obs_encoder: set obs_emb_dim > 0 "
@@ -119,7 +139,34 @@ def policy_meta(cfg: ShortCutBCConfig, dataset: ChunkDataset, control_mode: str)
             "act_horizon": cfg.act_horizon, "velocity_net": cfg.velocity_net, "down_dims": list(cfg.down_dims),
             "mlp_dims": list(cfg.mlp_dims), "emb_dim": cfg.emb_dim,
             "obs_emb_dim": cfg.obs_emb_dim, "ema_decay": cfg.ema_decay, "shortcut_max_steps": cfg.shortcut_max_steps,
-            "bootstrap_fraction": cfg.bootstrap_fraction, **observation_meta(cfg, dataset)}
+            "bootstrap_fraction": cfg.bootstrap_fraction, **model_meta(cfg, dataset), **observation_meta(cfg, dataset)}
+
+
+def diffusion_twin(cfg: ShortCutBCConfig) -> ShortCutBCConfig:
+    """``cfg`` as stage 1's diffusion baseline: the same demos, net, optimiser, steps and evaluations, with
+    ``model: ddpm`` scored at ``diffusion_eval_steps``: flow and diffusion on equal footing (notebook 01)."""
+    steps = sorted(cfg.diffusion_eval_steps, reverse=True)
+    select = cfg.select_inference_steps if cfg.select_inference_steps <= cfg.diffusion_steps else steps[-1]
+    return dataclasses.replace(cfg, model="ddpm", compare_diffusion=False, eval_inference_steps=steps,
+                               select_inference_steps=select)
+
+
+def model_meta(cfg, dataset) -> dict[str, Any]:
+    """The generative model's keys of a policy's metadata: ``model`` (``chunk_policy.MODELS``), and for a DDPM its
+    timesteps, sampler and ``diffusion_clip_sample``, the bound its sampler clamps predicted actions to (``flowlib.flows.diffusion``): 1 for
+    min-max normalised actions, the demos' largest standardised action otherwise.  A flow's are the defaults
+    whatever the diffusion fields say (they do not touch it), so a ShortCut resumes and compares as before them."""
+    if cfg.model != "ddpm":
+        return {**META_DEFAULTS_MODEL, "model": cfg.model}
+    if cfg.action_norm == "minmax":
+        clip = 1.0
+    elif isinstance(dataset, VisualChunkDataset):
+        raise ValueError("model ddpm with action_norm meanstd reads every demo window for its clamp, a visual dataset's "
+                         "frames too: set action_norm: minmax (Diffusion Policy's) for a visual DDPM")
+    else:  # the largest standardised action of any window's chunk [N, H, A]
+        clip = round(float(dataset.tensors()[1].abs().max()), 3)
+    return {"model": cfg.model, "diffusion_steps": cfg.diffusion_steps, "diffusion_sampler": cfg.diffusion_sampler,
+            "diffusion_clip_sample": clip}
 
 
 def training_demos(path: str | Path) -> list[Episode]:
@@ -186,7 +233,8 @@ def train(cfg, dataset: ChunkDataset, run_path: Path, tracker=None, env=None,
           control_mode: str | None = None, policy: FlowPolicy | None = None,
           weights: torch.Tensor | None = None, extra: dict[str, Any] | None = None,
           checkpoint_format: str = CHECKPOINT_FORMAT) -> tuple[FlowPolicy, dict[str, Any]]:
-    """ShortCut BC with EMA, AdamW, warm-up + cosine LR; checkpoints ``last.pt`` / ``best_model.pt``.
+    """ShortCut BC (or, with ``model: ddpm``, its diffusion twin's) with EMA, AdamW, warm-up + cosine LR; checkpoints
+    ``last.pt`` / ``best_model.pt``.
 
     ``cfg`` is a ``ShortCutBCConfig`` or any config with its training-loop fields (seed,
     train_steps, batch_size, lr, lr_schedule (cosine when absent), weight_decay, warmup_steps, ckpt_every, keep_every, log_every, eval_every,
@@ -239,8 +287,8 @@ def train(cfg, dataset: ChunkDataset, run_path: Path, tracker=None, env=None,
             raise ValueError("weights must be finite and >= 0: check the critic's advantages and beta")
         weights = weights.to(device)
     policy.train()
-    bar = progress.bar(cfg.train_steps, "ShortCut BC" if weights is None else "AW-ShortCut", initial=step,
-                       unit="step")
+    name = "DDPM BC" if meta.get("model") == "ddpm" else "ShortCut BC"
+    bar = progress.bar(cfg.train_steps, name if weights is None else "AW-ShortCut", initial=step, unit="step")
     while step < cfg.train_steps:
         idx = torch.randint(0, len(dataset), (cfg.batch_size,))
         obs, actions = draw(idx)  # [B, To, O], [B, H, A], normalised

@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 
 from flowlib.envs.data import Normalizer
+from flowlib.flows.diffusion import DDPM
+from flowlib.flows.models import METHODS as FLOW_MODELS
 from flowlib.flows.models import ShortCut
 from flowlib.flows.unet import ChunkVelocityMLP, ShortCutVelocityUNet1D
 from flowlib.infra.runs import load_torch, rng_state, save_torch
@@ -52,9 +54,11 @@ class ChunkPolicy(nn.Module):
 
 
 class FlowPolicy(ChunkPolicy):
-    """ShortCut flow over action chunks + normalisers; ``act`` maps raw obs windows to raw actions."""
+    """ShortCut flow over action chunks + normalisers; ``act`` maps raw obs windows to raw actions.  With
+    ``meta["model"] == "ddpm"``, ``flow`` is stage 1's diffusion baseline (``flowlib.flows.diffusion.DDPM``) behind the
+    same interface: ``num_steps`` are its denoising steps, by its ``flow.sampler``."""
 
-    def __init__(self, flow: ShortCut, obs_normalizer: Normalizer, action_normalizer: Normalizer, meta: dict[str, Any]):
+    def __init__(self, flow: ShortCut | DDPM, obs_normalizer: Normalizer, action_normalizer: Normalizer, meta: dict[str, Any]):
         super().__init__()
         self.flow, self.obs_normalizer, self.action_normalizer, self.meta = flow, obs_normalizer, action_normalizer, meta
         self.obs_horizon, self.pred_horizon, self.act_horizon = meta["obs_horizon"], meta["pred_horizon"], meta["act_horizon"]
@@ -90,6 +94,7 @@ def build_policy(meta: dict[str, Any], obs_normalizer: Normalizer | None = None,
     """A fresh policy from checkpoint metadata (dims, horizons, net and ShortCut sizes, the obs mode's encoder).  The
     policy keeps copies of the normalisers it is given: moving it to a GPU leaves the dataset's (and a critic built
     from them) on the CPU."""
+    meta = complete_meta(meta)
     dims = (meta["action_dim"], meta["obs_dim"], meta["obs_horizon"], meta["pred_horizon"])
     encoder = build_obs_encoder(meta)  # None for a state policy
     if meta["velocity_net"] == "mlp":
@@ -98,8 +103,14 @@ def build_policy(meta: dict[str, Any], obs_normalizer: Normalizer | None = None,
     else:
         net = ShortCutVelocityUNet1D(*dims, down_dims=tuple(meta["down_dims"]), emb_dim=meta["emb_dim"],
                                      obs_emb_dim=meta["obs_emb_dim"], obs_encoder=encoder)
-    flow = ShortCut(net, ema_decay=meta["ema_decay"], max_steps=meta["shortcut_max_steps"],
-                    bootstrap_fraction=meta["bootstrap_fraction"])
+    if meta["model"] in ("reflow", "meanflow"):
+        flow = FLOW_MODELS[meta["model"]](net, ema_decay=meta["ema_decay"])
+    elif meta["model"] == "ddpm":
+        flow = DDPM(net, ema_decay=meta["ema_decay"], num_train_timesteps=meta["diffusion_steps"],
+                    clip_range=float(meta["diffusion_clip_sample"]), sampler=meta["diffusion_sampler"])
+    else:
+        flow = ShortCut(net, ema_decay=meta["ema_decay"], max_steps=meta["shortcut_max_steps"],
+                        bootstrap_fraction=meta["bootstrap_fraction"])
     obs_normalizer = Normalizer(meta["obs_dim"]) if obs_normalizer is None else copy.deepcopy(obs_normalizer)
     action_normalizer = Normalizer(meta["action_dim"]) if action_normalizer is None else copy.deepcopy(action_normalizer)
     return FlowPolicy(flow, obs_normalizer, action_normalizer, meta)
@@ -132,6 +143,16 @@ def check_compatible(meta: dict[str, Any], spec) -> None:
         raise ValueError(f"checkpoint uses control_mode={meta['control_mode']}, env {spec.control_mode}")
 
 
+def flow_problem(meta: dict[str, Any], path, user: str) -> str:
+    """Why ``user`` (a stage or a method) cannot start from the policy at ``path`` (its ``meta``): it is not a
+    ShortCut flow but another of stage 1's models ("" when it is)."""
+    model = meta.get("model", "shortcut")
+    if model == "shortcut":
+        return ""
+    return (f"{path} is stage 1's {MODEL_NAMES[model]} (model: {model}); {user} reads a ShortCut flow (its ODE, "
+            f"velocity or x_0 map): start from a stage-1 run with model: shortcut")
+
+
 def save_checkpoint(path: Path, policy: FlowPolicy, optimizer, scheduler, step: int, cfg,
                     best: dict[str, Any], extra: dict[str, Any] | None = None,
                     checkpoint_format: str = CHECKPOINT_FORMAT) -> Path:
@@ -147,8 +168,16 @@ def save_checkpoint(path: Path, policy: FlowPolicy, optimizer, scheduler, step: 
 
 # Metadata keys added after the first checkpoints were written, with the value those checkpoints mean.
 META_DEFAULTS_OBS = {"obs_mode": "state", "obs_layout": None, "camera_size": 0, "num_points": 0}
-META_DEFAULTS = {"obs_emb_dim": 0, "velocity_net": "unet", "mlp_dims": [256, 256, 256], **META_DEFAULTS_OBS}
+META_DEFAULTS_MODEL = {"model": "shortcut", "diffusion_steps": 100, "diffusion_sampler": "ddim",
+                       "diffusion_clip_sample": True}
+META_DEFAULTS = {"obs_emb_dim": 0, "velocity_net": "unet", "mlp_dims": [256, 256, 256], **META_DEFAULTS_MODEL,
+                 **META_DEFAULTS_OBS}
 VELOCITY_NETS = ("unet", "mlp")
+# the generative model over chunks: the ShortCut flow; plain flow matching and MeanFlow (flowlib.flows.models, stage 1
+# only); the diffusion baseline (flowlib.flows.diffusion)
+MODELS = ("shortcut", "reflow", "meanflow", "ddpm")
+MODEL_NAMES = {"shortcut": "ShortCut flow", "reflow": "plain flow-matching (ReFlow) policy",
+               "meanflow": "MeanFlow policy", "ddpm": "diffusion baseline"}
 
 
 def features_dim(meta: dict[str, Any]) -> int:

@@ -108,6 +108,21 @@ def evaluate(policy, env, num_episodes: int, num_inference_steps: int, seed: int
     return out
 
 
+@torch.no_grad()
+def chunk_ms(policy, num_steps: int, batch: int = 1, min_time_s: float = 0.3) -> float:
+    """Milliseconds ``policy.act`` takes per call on a batch of ``batch`` observation windows at ``num_steps`` denoising
+    steps: the inference cost of one chunk (timed over at least ``min_time_s`` and 3 calls, after one warm-up)."""
+    device = next(policy.parameters()).device
+    window = torch.zeros(batch, policy.obs_horizon, policy.meta["obs_dim"], device=device)
+    x0 = torch.zeros(batch, policy.pred_horizon, policy.action_dim)
+    policy.act(window, num_steps, x0=x0)
+    calls, t0 = 0, time.perf_counter()
+    while calls < 3 or time.perf_counter() - t0 < min_time_s:
+        policy.act(window, num_steps, x0=x0)
+        calls += 1
+    return 1000 * (time.perf_counter() - t0) / calls
+
+
 def _per_episode_randn(generators: list[torch.Generator], shape) -> torch.Tensor:
     """``[N, *shape]`` standard normals, row ``i`` drawn from ``generators[i]``."""
     return torch.stack([torch.randn(*shape, generator=g) for g in generators])

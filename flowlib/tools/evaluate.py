@@ -17,7 +17,8 @@ checkpoint executing that many actions of every chunk (re-planning more or less 
 to; rows ``<label>@ah<n>``).  ``--noisy`` runs stage-3 checkpoints with their exploration noise (rows
 ``<label>@noisy``): the policy PPO improves, next to the deterministic one it deploys; their step noise is
 one stream per checkpoint, so those rows depend on ``--num-envs``.  ``--steps 1 2 4`` scores each checkpoint at
-each number of denoising steps (rows ``<label>@K<n>``): a stage-1/2 policy's ODE, and a chain ReinFlow agent's
+each number of denoising steps (rows ``<label>@K<n>``): a stage-1/2 policy's ODE (stage 1's diffusion baseline's
+denoising chain, by each ``--sampler ddpm ddim``: rows ``@ddpm`` / ``@ddim``), and a chain ReinFlow agent's
 fine-tuned velocity net at step size ``1/K`` (``ReinFlowAgent.set_inference_steps``), so it shows whether RL kept
 ShortCut's few-step property.  Writes ``results.csv`` (one row per
 checkpoint), ``per_episode.csv`` (success), ``per_episode_return.csv`` and ``summary.json`` under
@@ -40,6 +41,7 @@ import torch
 
 from flowlib.envs import visual
 from flowlib.envs.maniskill import make_env, resolve_backend
+from flowlib.flows.diffusion import SAMPLERS
 from flowlib.infra import progress
 from flowlib.infra.metrics import paired_means, success_rates
 from flowlib.infra.runs import load_torch, provenance, run_dir, save_json, save_text, shown
@@ -79,11 +81,21 @@ def labels(paths: list[str | Path]) -> dict[Path, str]:
     return names
 
 
-def label(name: str, act_horizon: int | None = None, noisy: bool = False, steps: int | None = None) -> str:
+def label(name: str, act_horizon: int | None = None, noisy: bool = False, steps: int | None = None,
+          sampler: str | None = None) -> str:
     """A row's name: the checkpoint's (``labels``), ``@ah<n>`` with an act-horizon override, ``@noisy`` for a
-    stage-3 policy run with its exploration noise, ``@K<n>`` at a chosen number of denoising steps."""
+    stage-3 policy run with its exploration noise, ``@K<n>`` at a chosen number of denoising steps, ``@ddpm`` /
+    ``@ddim`` for a diffusion policy's sampler."""
     return (name + ("" if act_horizon is None else f"@ah{act_horizon}") + ("@noisy" if noisy else "")
-            + ("" if steps is None else f"@K{steps}"))
+            + ("" if steps is None else f"@K{steps}") + ("" if sampler is None else f"@{sampler}"))
+
+
+def samplers_of(policy, samplers: list[str] | None) -> list[str | None]:
+    """The samplers to score ``policy`` with: each of ``samplers`` for stage 1's diffusion baseline (a DDPM policy),
+    ``[None]`` (its own) for it without them and for every other policy (a flow's ODE has one sampler)."""
+    if not samplers or getattr(policy, "meta", {}).get("model") != "ddpm":
+        return [None]
+    return list(samplers)
 
 
 def set_steps(policy, steps: int | None, inference_steps: int) -> int:
@@ -103,14 +115,19 @@ def set_steps(policy, steps: int | None, inference_steps: int) -> int:
 def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, seed: int, inference_steps: int,
                          backend: str = "auto", max_episode_steps: int | None = None,
                          act_horizons: list[int] | None = None, noisy: bool = False,
-                         fresh_scene: bool | None = None, steps: list[int] | None = None) -> dict[str, dict]:
+                         fresh_scene: bool | None = None, steps: list[int] | None = None,
+                         samplers: list[str] | None = None) -> dict[str, dict]:
     """``{label: bc.evaluate result}`` for each checkpoint (at each of ``act_horizons``, when given),
     all on the same episodes and one env.  ``noisy``: stage-3 checkpoints sample their noisy chain (the policy
     that collected their training data), each from a generator seeded with ``seed``, so all of them meet the
     same noise stream; stage-1/2 checkpoints, which have no exploration noise, stay deterministic.
     ``fresh_scene`` (default: on ``physx_cpu``) rebuilds the scene at every reset, so that a checkpoint's
-    episodes do not depend on the ones run before them (``flowlib.envs``)."""
+    episodes do not depend on the ones run before them (``flowlib.envs``).  ``samplers`` ("ddpm", "ddim"): each
+    diffusion-baseline checkpoint at each (rows ``@ddpm`` / ``@ddim``); other checkpoints are scored once."""
     names = labels(paths)
+    unknown = sorted(set(samplers or []) - set(SAMPLERS))
+    if unknown or len(set(samplers or [])) != len(samplers or []):
+        raise ValueError(f"samplers {samplers}: give each of {SAMPLERS} at most once")
     loaded = {p: load_checkpoint_policy(p, noisy) for p in paths}
     horizons, step_counts = act_horizons or [None], steps or [None]
     for what, values in (("act horizons", horizons), ("step counts", step_counts)):
@@ -144,10 +161,14 @@ def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, 
                     set_act_horizon(policy, ah)
                 for K in step_counts:
                     num_steps = set_steps(policy, K, inference_steps)
-                    if explores:
-                        policy.explore = torch.Generator().manual_seed(seed)
-                    result = bc.evaluate(policy, env, episodes, num_steps, seed=seed)
-                    results[label(names[Path(path)], ah, explores, K)] = {**result, "act_horizon": policy.act_horizon}
+                    for sampler in samplers_of(policy, samplers):
+                        if sampler is not None:
+                            policy.flow.sampler = sampler
+                        if explores:
+                            policy.explore = torch.Generator().manual_seed(seed)
+                        result = bc.evaluate(policy, env, episodes, num_steps, seed=seed)
+                        results[label(names[Path(path)], ah, explores, K, sampler)] = {
+                            **result, "act_horizon": policy.act_horizon}
     return results
 
 
@@ -188,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, nargs="+", default=None, metavar="K",
                     help="denoising steps: each checkpoint at each K (a chain agent's fine-tuned net at step 1/K); "
                          "rows <label>@K<n>")
+    ap.add_argument("--sampler", nargs="+", default=None, choices=SAMPLERS, metavar="NAME",
+                    help="diffusion-baseline checkpoints (model: ddpm): score each with each sampler, ddpm and/or "
+                         "ddim (rows <label>@<sampler>); default: its own. Other checkpoints are scored once")
     ap.add_argument("--max-episode-steps", type=int, default=None, help="default: the task's evaluation length")
     ap.add_argument("--noisy", action="store_true",
                     help="stage-3 checkpoints run their noisy chain (the noise their run had at that point)")
@@ -204,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         results = evaluate_checkpoints(args.checkpoints, args.episodes, args.num_envs, args.seed,
                                        args.inference_steps, args.backend, args.max_episode_steps, args.act_horizon,
                                        args.noisy, fresh_scene=False if args.reuse_scene else None,
-                                       steps=args.steps)
+                                       steps=args.steps, samplers=args.sampler)
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -21,7 +21,7 @@ from typing import Any
 from flowlib.infra.config import ConfigError, defaults, load_yaml, parameter_cell, parse_yaml, validate
 from flowlib.infra.progress import LINES, PROGRESS_ENV, say
 from flowlib.infra.runs import REPO_ROOT, check_run_name, checkpoint_location, run_dir, run_that_writes, shown
-from flowlib.policies.chunk_policy import checkpoint_meta
+from flowlib.policies.chunk_policy import checkpoint_meta, flow_problem
 
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 
@@ -186,11 +186,14 @@ def ensure_checkpoint(path: Path) -> Path:
 
 def start_checkpoint_problem(path: Path, key: str, env_id: str) -> str:
     """Why the flow-policy checkpoint ``path`` (parameter ``key``) cannot start a run on ``env_id`` ("" if it can):
-    not a torch file, not a stage-1/2 policy, or a policy of another task."""
+    not a torch file, not a stage-1/2 policy, stage 1's diffusion baseline (every later stage reads the flow), or a
+    policy of another task."""
     try:
         meta = checkpoint_meta(path)
     except ValueError as err:
         return f"{key}: {err}"
+    if flow_problem(meta, path, "this run"):
+        return f"{key}: {flow_problem(meta, path, 'this run')}"
     if meta["env_id"] != env_id:
         return (f"{key}: {path} is a policy for {meta['env_id']}, this run is for {env_id}: set env_id: "
                 f"{meta['env_id']} or point {key} at a {env_id} policy")
