@@ -90,3 +90,30 @@ def test_labels_take_as_many_parent_folders_as_it_takes_to_tell_checkpoints_apar
     assert evaluate.label("run_s0/last.pt", act_horizon=4, noisy=True) == "run_s0/last.pt@ah4@noisy"
     with pytest.raises(ValueError, match="given twice"):
         evaluate.labels([Path("r/last.pt"), Path("r/last.pt")])
+
+
+def test_zero_x0_hands_every_chunk_the_noise_mode_and_leaves_the_episodes_as_they_were():
+    """``zero_x0``: every chunk starts its denoising at x_0 = 0 (DSRL's start), on the same env seeds."""
+    from flowlib.envs.maniskill import make_env
+    from flowlib.policies.chunk_policy import ChunkPolicy
+    from flowlib.policies.policy_eval import evaluate as run_episodes
+
+    class Recorder(ChunkPolicy):
+        obs_horizon, pred_horizon, act_horizon = 1, 4, 4
+
+        def __init__(self, action_dim):
+            super().__init__()
+            self.action_dim, self.x0s, self.first_obs = action_dim, [], []
+            self.unused = torch.nn.Parameter(torch.zeros(1))
+
+        def act(self, window, num_steps, generator=None, x0=None):
+            self.x0s.append(x0)
+            self.first_obs.append(window[:, -1].clone())
+            return torch.zeros(window.shape[0], self.act_horizon, self.action_dim)
+
+    with make_env("FastReach-v0", 2, max_episode_steps=8) as env:
+        drawn, zero = Recorder(env.spec.action_dim), Recorder(env.spec.action_dim)
+        run_episodes(drawn, env, 2, 1, seed=5)
+        run_episodes(zero, env, 2, 1, seed=5, zero_x0=True)
+    assert all(x.abs().sum() > 0 for x in drawn.x0s) and all(not x.any() for x in zero.x0s)
+    assert torch.equal(drawn.first_obs[0], zero.first_obs[0])

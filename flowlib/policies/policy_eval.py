@@ -19,7 +19,8 @@ from flowlib.infra import progress
 
 @torch.no_grad()
 def evaluate(policy, env, num_episodes: int, num_inference_steps: int, seed: int = 0,
-             frame_every: int = 0, action_noise_std: float = 0.0, record: bool = False) -> dict[str, Any]:
+             frame_every: int = 0, action_noise_std: float = 0.0, record: bool = False,
+             zero_x0: bool = False) -> dict[str, Any]:
     """Roll out the ODE policy for ``num_episodes`` episodes (batches of ``env.num_envs``).
 
     ManiSkill's conventions: termination ignored, each episode runs ``env.max_episode_steps``
@@ -37,7 +38,9 @@ def evaluate(policy, env, num_episodes: int, num_inference_steps: int, seed: int
     (``env.task_flags``; for PickCube ``is_grasped``, ``is_obj_placed``, ``is_robot_static``) was true at
     some step of an episode: where the episodes that fail stop on the way to success.  A policy with a
     ``closed_loop`` (``flowlib.methods.residual_step``) has each executed action corrected by ``correct_step`` from the
-    current observation window before it runs (``ChunkPolicy``).
+    current observation window before it runs (``ChunkPolicy``).  ``zero_x0`` starts every chunk's denoising from
+    ``x_0 = 0``, the mode of its noise (DSRL's start), instead of a draw: the policy then acts as one map from
+    observations to chunks (a DDPM's ancestral chain still draws its step noise, from that ``x_0``).
     """
     policy.eval()
     device = next(policy.parameters()).device
@@ -60,6 +63,8 @@ def evaluate(policy, env, num_episodes: int, num_inference_steps: int, seed: int
             tp = time.time()
             window = torch.stack(list(history), dim=1).to(device)  # [N, To, O]
             x0 = _per_episode_randn(gens, (policy.pred_horizon, policy.action_dim))  # [N, H, A]
+            if zero_x0:
+                x0 = torch.zeros_like(x0)  # drawn all the same, so the action noise below is the same stream
             actions = policy.act(window, num_inference_steps, x0=x0).to(env.device)  # [N, Ta, A]
             if action_noise_std > 0:
                 noise = _per_episode_randn(gens, actions.shape[1:]).to(env.device)

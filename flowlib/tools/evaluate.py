@@ -20,7 +20,8 @@ one stream per checkpoint, so those rows depend on ``--num-envs``.  ``--steps 1 
 each number of denoising steps (rows ``<label>@K<n>``): a stage-1/2 policy's ODE (stage 1's diffusion baseline's
 denoising chain, by each ``--sampler ddpm ddim``: rows ``@ddpm`` / ``@ddim``), and a chain ReinFlow agent's
 fine-tuned velocity net at step size ``1/K`` (``ReinFlowAgent.set_inference_steps``), so it shows whether RL kept
-ShortCut's few-step property.  Writes ``results.csv`` (one row per
+ShortCut's few-step property.  ``--zero-x0`` starts every chunk's denoising at ``x_0 = 0`` instead of a draw (label the run: rows keep
+their names).  Writes ``results.csv`` (one row per
 checkpoint), ``per_episode.csv`` (success), ``per_episode_return.csv`` and ``summary.json`` under
 ``outputs/evaluate/<run_name>/``.  Where the task reports more evaluation flags than success (PickCube:
 ``is_grasped``, ``is_obj_placed``, ``is_robot_static``), each row also gives the share of episodes in which
@@ -116,7 +117,7 @@ def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, 
                          backend: str = "auto", max_episode_steps: int | None = None,
                          act_horizons: list[int] | None = None, noisy: bool = False,
                          fresh_scene: bool | None = None, steps: list[int] | None = None,
-                         samplers: list[str] | None = None) -> dict[str, dict]:
+                         samplers: list[str] | None = None, zero_x0: bool = False) -> dict[str, dict]:
     """``{label: bc.evaluate result}`` for each checkpoint (at each of ``act_horizons``, when given),
     all on the same episodes and one env.  ``noisy``: stage-3 checkpoints sample their noisy chain (the policy
     that collected their training data), each from a generator seeded with ``seed``, so all of them meet the
@@ -166,7 +167,7 @@ def evaluate_checkpoints(paths: list[str | Path], episodes: int, num_envs: int, 
                             policy.flow.sampler = sampler
                         if explores:
                             policy.explore = torch.Generator().manual_seed(seed)
-                        result = bc.evaluate(policy, env, episodes, num_steps, seed=seed)
+                        result = bc.evaluate(policy, env, episodes, num_steps, seed=seed, zero_x0=zero_x0)
                         results[label(names[Path(path)], ah, explores, K, sampler)] = {
                             **result, "act_horizon": policy.act_horizon}
     return results
@@ -212,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sampler", nargs="+", default=None, choices=SAMPLERS, metavar="NAME",
                     help="diffusion-baseline checkpoints (model: ddpm): score each with each sampler, ddpm and/or "
                          "ddim (rows <label>@<sampler>); default: its own. Other checkpoints are scored once")
+    ap.add_argument("--zero-x0", action="store_true",
+                    help="start every chunk's denoising at x_0 = 0 (the noise's mode, DSRL's start) instead of a draw")
     ap.add_argument("--max-episode-steps", type=int, default=None, help="default: the task's evaluation length")
     ap.add_argument("--noisy", action="store_true",
                     help="stage-3 checkpoints run their noisy chain (the noise their run had at that point)")
@@ -228,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         results = evaluate_checkpoints(args.checkpoints, args.episodes, args.num_envs, args.seed,
                                        args.inference_steps, args.backend, args.max_episode_steps, args.act_horizon,
                                        args.noisy, fresh_scene=False if args.reuse_scene else None,
-                                       steps=args.steps, samplers=args.sampler)
+                                       steps=args.steps, samplers=args.sampler, zero_x0=args.zero_x0)
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
