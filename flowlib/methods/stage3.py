@@ -217,8 +217,8 @@ def start_problem(cfg: Stage3Config) -> str:
     except FileNotFoundError:
         return ""
     meta = chunk_policy.checkpoint_meta(path)
-    if chunk_policy.flow_problem(meta, path, "stage 3"):
-        return chunk_policy.flow_problem(meta, path, "stage 3")
+    if problem := chunk_policy.flow_problem(meta, path, "stage 3"):
+        return problem
     if visual_problem(cfg, meta, path):
         return visual_problem(cfg, meta, path)
     if asymmetric_problem(cfg, meta):
@@ -257,8 +257,7 @@ def build_agent(cfg: Stage3Config, path: Path, spec=None) -> tuple:
     """Agent from a stage-1 or stage-2 checkpoint; with a stage-2 critic of the same value-net shape
     and ``warm_start_value``, ``V`` starts from the critic's.  Returns the agent and how V started."""
     policy, critic = load_from_aw_shortcut_flow(path, spec)
-    if chunk_policy.flow_problem(policy.meta, path, "stage 3"):
-        raise ValueError(chunk_policy.flow_problem(policy.meta, path, "stage 3"))
+    chunk_policy.require_flow(policy.meta, path, "stage 3")
     if visual_problem(cfg, policy.meta, path):
         raise ValueError(visual_problem(cfg, policy.meta, path))
     agent = make_agent(policy, cfg, getattr(spec, "state_dim", 0))

@@ -262,8 +262,7 @@ def train_weighted(cfg: AWShortCutConfig, dataset, folder: Path, env, stage1_pat
         tracker = Tracker(seed_path, config.to_dict(seed_cfg), wandb_mode=cfg.wandb_mode, project="flowlib-02",
                           name="-".join(filter(None, [cfg.run_name, name, f"seed{s}"])), resume=cfg.resume)
         start = chunk_policy.load_policy(stage1_path)
-        if chunk_policy.flow_problem(start.meta, stage1_path, "stage 2"):  # its loss and RFC's reflow are the flow's
-            raise ValueError(chunk_policy.flow_problem(start.meta, stage1_path, "stage 2"))
+        chunk_policy.require_flow(start.meta, stage1_path, "stage 2")  # its loss and RFC's reflow are the flow's
         if cfg.start_net == "ema":
             start.flow.adopt_ema()
         policies[s], _ = bc.train(seed_cfg, dataset, seed_path, tracker, env=env, policy=start,

@@ -32,10 +32,10 @@ from flowlib.policies.chunk_policy import (  # noqa: F401  (bc.<name> keeps work
     META_DEFAULTS,
     META_DEFAULTS_MODEL,
     META_DEFAULTS_OBS,
+    MODELS,
     POLICY_FORMATS,
     VELOCITY_NETS,
     ChunkPolicy,
-    MODELS,
     FlowPolicy,
     build_policy,
     check_act_horizon,
@@ -153,9 +153,10 @@ def diffusion_twin(cfg: ShortCutBCConfig) -> ShortCutBCConfig:
 
 def model_meta(cfg, dataset) -> dict[str, Any]:
     """The generative model's keys of a policy's metadata: ``model`` (``chunk_policy.MODELS``), and for a DDPM its
-    timesteps, sampler and ``diffusion_clip_sample``, the bound its sampler clamps predicted actions to (``flowlib.flows.diffusion``): 1 for
-    min-max normalised actions, the demos' largest standardised action otherwise.  A flow's are the defaults
-    whatever the diffusion fields say (they do not touch it), so a ShortCut resumes and compares as before them."""
+    timesteps, sampler and ``diffusion_clip_sample``, the bound its sampler clamps predicted actions to
+    (``flowlib.flows.diffusion``): 1 for min-max normalised actions, the demos' largest standardised action
+    otherwise.  A flow's are the defaults whatever the diffusion fields say (they do not touch it), so a ShortCut
+    resumes and compares as before them."""
     if cfg.model != "ddpm":
         return {**META_DEFAULTS_MODEL, "model": cfg.model}
     if cfg.action_norm == "minmax":

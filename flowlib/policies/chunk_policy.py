@@ -58,7 +58,8 @@ class FlowPolicy(ChunkPolicy):
     ``meta["model"] == "ddpm"``, ``flow`` is stage 1's diffusion baseline (``flowlib.flows.diffusion.DDPM``) behind the
     same interface: ``num_steps`` are its denoising steps, by its ``flow.sampler``."""
 
-    def __init__(self, flow: ShortCut | DDPM, obs_normalizer: Normalizer, action_normalizer: Normalizer, meta: dict[str, Any]):
+    def __init__(self, flow: ShortCut | DDPM, obs_normalizer: Normalizer, action_normalizer: Normalizer,
+                 meta: dict[str, Any]):
         super().__init__()
         self.flow, self.obs_normalizer, self.action_normalizer, self.meta = flow, obs_normalizer, action_normalizer, meta
         self.obs_horizon, self.pred_horizon, self.act_horizon = meta["obs_horizon"], meta["pred_horizon"], meta["act_horizon"]
@@ -151,6 +152,12 @@ def flow_problem(meta: dict[str, Any], path, user: str) -> str:
         return ""
     return (f"{path} is stage 1's {MODEL_NAMES[model]} (model: {model}); {user} reads a ShortCut flow (its ODE, "
             f"velocity or x_0 map): start from a stage-1 run with model: shortcut")
+
+
+def require_flow(meta: dict[str, Any], path, user: str) -> None:
+    """``flow_problem`` as a ``ValueError``: where a stage loads its start."""
+    if problem := flow_problem(meta, path, user):
+        raise ValueError(problem)
 
 
 def save_checkpoint(path: Path, policy: FlowPolicy, optimizer, scheduler, step: int, cfg,

@@ -20,8 +20,8 @@ one stream per checkpoint, so those rows depend on ``--num-envs``.  ``--steps 1 
 each number of denoising steps (rows ``<label>@K<n>``): a stage-1/2 policy's ODE (stage 1's diffusion baseline's
 denoising chain, by each ``--sampler ddpm ddim``: rows ``@ddpm`` / ``@ddim``), and a chain ReinFlow agent's
 fine-tuned velocity net at step size ``1/K`` (``ReinFlowAgent.set_inference_steps``), so it shows whether RL kept
-ShortCut's few-step property.  ``--zero-x0`` starts every chunk's denoising at ``x_0 = 0`` instead of a draw (label the run: rows keep
-their names).  Writes ``results.csv`` (one row per
+ShortCut's few-step property.  ``--zero-x0`` starts every chunk's denoising at ``x_0 = 0`` instead of a draw
+(label the run: rows keep their names).  Writes ``results.csv`` (one row per
 checkpoint), ``per_episode.csv`` (success), ``per_episode_return.csv`` and ``summary.json`` under
 ``outputs/evaluate/<run_name>/``.  Where the task reports more evaluation flags than success (PickCube:
 ``is_grasped``, ``is_obj_placed``, ``is_robot_static``), each row also gives the share of episodes in which

@@ -192,8 +192,8 @@ def start_checkpoint_problem(path: Path, key: str, env_id: str) -> str:
         meta = checkpoint_meta(path)
     except ValueError as err:
         return f"{key}: {err}"
-    if flow_problem(meta, path, "this run"):
-        return f"{key}: {flow_problem(meta, path, 'this run')}"
+    if problem := flow_problem(meta, path, "this run"):
+        return f"{key}: {problem}"
     if meta["env_id"] != env_id:
         return (f"{key}: {path} is a policy for {meta['env_id']}, this run is for {env_id}: set env_id: "
                 f"{meta['env_id']} or point {key} at a {env_id} policy")
