@@ -31,13 +31,26 @@
 # With the default `sweep_dir = ""` the notebook first runs a two-setting smoke sweep of notebook
 # 03's short CPU run, so that it always has real runs to read; point `sweep_dir` at a real sweep
 # (e.g. `03_reinflow/ablations`) for the study itself.
+#
+# **Verdicts.** The runs' own before/after numbers are each on the run's evaluation episodes. To say whether a
+# setting *helps*, its checkpoints and the baseline's are scored together on the same held-out episodes
+# (`python -m flowlib.evaluate ... --seed 30000`, published under `results/` by `python -m flowlib.results publish`).
+# With `evaluation` naming that record, the last section pairs every setting's seed `s` with the baseline's seed `s`
+# episode by episode and averages over seeds (`flowlib.tools.verdicts`):
+#
+# $$d_{r,s} = \frac{1}{n}\sum_i \big[\mathrm{success}_i(r,s) - \mathrm{success}_i(\mathrm{baseline},s)\big], \qquad
+# \mathrm{effect}_r = \frac{1}{S}\sum_s d_{r,s},$$
+#
+# with SE the larger of the seeds' spread $\mathrm{std}_s(d_{r,s})/\sqrt{S}$ and the episodes' noise
+# $\sqrt{\sum_s \mathrm{se}_{r,s}^2}/S$: *helps* above $+2$ SE, *hurts* below $-2$ SE. The PPO toolkit sweep
+# (`params/05_ablation_report/toolkit.yaml`, `docs/results/toolkit.md`) is read this way.
 
 # %%
 import matplotlib.pyplot as plt
 import numpy as np
 
 from flowlib.infra import config, runs
-from flowlib.tools import sweep
+from flowlib.tools import sweep, verdicts
 from flowlib.infra.runs import REPO_ROOT, outputs_root
 
 # %% tags=["parameters"]
@@ -46,6 +59,8 @@ smoke_params: str = "params/03_reinflow/smoke"  # folder of params files the smo
 seeds: list[int] = [0]  # seeds of the smoke sweep
 success_level: float = 0.9  # success a run must reach to count as solved (time-to-level column)
 metric: str = "train/success_once"  # the logged column the report compares
+evaluation: str = ""  # results/<record> of the sweep's checkpoints on shared held-out episodes: paired verdicts
+baseline: str = "baseline"  # the setting the verdicts compare every other with
 run_name: str = "default"  # the run folder, outputs/<notebook>/<run_name>
 
 # %%
@@ -122,6 +137,34 @@ fig.tight_layout()
 runs.save_figure(fig, run_path, "learning_curves")
 plt.show()
 
+# %% [markdown]
+# ## Verdicts: each setting against the baseline, paired on the same held-out episodes
+#
+# Only with `evaluation` set (see the introduction); the smoke sweep has none.
+
 # %%
-runs.save_json(run_path / "summary.json", {"sweep_dir": str(folder), "rows": table.to_dict("records")})
+verdict_rows = []
+if cfg.evaluation:
+    effects = verdicts.effects(REPO_ROOT / "results" / cfg.evaluation, cfg.baseline)
+    effects.to_csv(run_path / "verdicts.csv", index=False)
+    verdict_rows = effects.to_dict("records")
+    rest = effects[effects.setting != cfg.baseline].sort_values("effect")
+    fig, ax = plt.subplots(figsize=(7, 0.3 * len(rest) + 1.5))
+    colours = rest.verdict.map({"helps": "tab:green", "hurts": "tab:red"}).fillna("tab:gray")
+    ax.errorbar(rest.effect, np.arange(len(rest)), xerr=2 * rest.effect_se, fmt="none", ecolor=colours)
+    ax.scatter(rest.effect, np.arange(len(rest)), c=colours, zorder=3)
+    ax.axvline(0, c="k", lw=0.8)
+    ax.set_yticks(np.arange(len(rest)), rest.setting)
+    ax.set_xlabel("success_once minus the baseline's, paired (mean over seeds; bars: 2 SE)")
+    ax.set_title(f"{cfg.evaluation}: green helps, red hurts, grey within 2 SE")
+    fig.tight_layout()
+    runs.save_figure(fig, run_path, "verdicts")
+    plt.show()
+    print(verdicts.markdown(effects))
+else:
+    print("no evaluation record given: the verdicts need the sweep's checkpoints on shared episodes")
+
+# %%
+runs.save_json(run_path / "summary.json", {"sweep_dir": str(folder), "rows": table.to_dict("records"),
+                                           "verdicts": verdict_rows})
 print(f"report written to {run_path.relative_to(outputs_root())}")

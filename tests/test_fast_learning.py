@@ -77,9 +77,9 @@ def test_bc_coeff_pulls_to_the_start_checkpoint_and_logs_the_w2_distance(tmp_pat
         agent, _ = stage3.build_agent(cfg, stage3.init_checkpoint_path(cfg), env.spec)
         learner = stage3.make_learner(agent, cfg)
         window = torch.randn(8, agent.obs_horizon, agent.obs_dim)
-        assert torch.equal(learner.regulariser(window), torch.zeros(8))
+        assert torch.equal(learner.regularisers[0].distance(window), torch.zeros(8))
         stage3.train(cfg, agent, env, run, Tracker(run, resume=False))
-        moved = stage3.make_learner(agent, cfg).regulariser(window, torch.Generator().manual_seed(0))
+        moved = stage3.make_learner(agent, cfg).regularisers[0].distance(window, torch.Generator().manual_seed(0))
     rows = [r for r in read_metrics(run) if "bc_loss" in r]
     assert len(rows) == 3 and all(r["bc_loss"] >= 0 for r in rows) and rows[-1]["bc_loss"] > 0
     assert moved.mean() > 0  # the trained agent has left the start the learner reads from the checkpoint
@@ -135,6 +135,28 @@ def test_rfc_reflows_the_velocity_net_on_the_kept_decisions_of_a_real_rollout(tm
     assert any("reflow_loss" in r for r in rows) is kept
     assert any(not torch.equal(a, b) for a, b in zip(velocity, agent.actor.base.parameters())) is kept
     assert all(torch.equal(a, b) for a, b in zip(noise, agent.actor.noise_net.parameters()))
+
+
+@pytest.mark.parametrize("steer", ["chain", "latent"])
+def test_rfc_beside_ppo_runs_two_iterations_logs_its_loss_and_moves_the_flow(tmp_path, monkeypatch, steer):
+    """``rfc_lambda`` on FastReach: two iterations of chain PPO / DSRL's PPO over x_0 log ``rfc_loss`` and ``rfc_kept``;
+    the flow's net moves (for the latent steer, only the reflow can move it), and the saved checkpoint holds it."""
+    from flowlib.infra.runs import read_metrics
+    from flowlib.infra.tracking import Tracker
+    tiny_start(tmp_path, monkeypatch)
+    cfg = tiny_chain_config(2, steer=steer, rfc_lambda=0.05, rfc_mask="advantage_topk", rfc_topk=0.5, actor_lr=1e-3)
+    run = tmp_path / "03_reinflow" / f"rfc_lambda_{steer}"
+    with make_env("FastReach-v0", 16, max_episode_steps=40) as env:
+        agent, _ = stage3.build_agent(cfg, stage3.init_checkpoint_path(cfg), env.spec)
+        net = agent.actor.base if steer == "chain" else agent.flow.net
+        before = [p.detach().clone() for p in net.parameters()]
+        stage3.train(cfg, agent, env, run, Tracker(run, resume=False))
+    rows = [r for r in read_metrics(run) if "rfc_loss" in r]
+    assert len(rows) == 2 and all(r["rfc_loss"] > 0 and 0.5 <= r["rfc_kept"] < 0.6 for r in rows)
+    assert any(not torch.equal(a, b) for a, b in zip(before, net.parameters()))
+    saved = stage3.load_agent(run / "last.pt")
+    saved_net = saved.actor.base if steer == "chain" else saved.flow.net
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), saved_net.parameters()))
 
 
 def test_rfc_remembers_the_newest_kept_decisions_waits_for_enough_and_mixes_in_the_starts_demos(tmp_path,

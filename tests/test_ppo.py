@@ -103,7 +103,7 @@ def batch_of(agent, obs):
 
 
 def one_update(agent, batch, **cfg_kw):
-    cfg = stage3.Stage3Config(minibatch_size=len(batch["obs"]), update_epochs=1, norm_adv=False, **cfg_kw)
+    cfg = stage3.Stage3Config(minibatch_size=len(batch["obs"]), update_epochs=1, adv_norm="off", **cfg_kw)
     opt_a = torch.optim.SGD(agent.policy_parameters(), 1e-2)
     opt_c = torch.optim.SGD(agent.value_parameters(), 1e-2)
     return ppo.ppo_update(agent, batch, opt_a, opt_c, cfg)
@@ -190,7 +190,7 @@ def test_kl_stop_policy_freezes_the_policy_where_all_stops_and_keeps_fitting_the
     for mode in ("all", "policy"):
         agent, obs = agent_for("reinflow")
         batch = batch_of(agent, obs)                                          # 6 decisions
-        cfg = stage3.Stage3Config(minibatch_size=3, update_epochs=3, norm_adv=False, target_kl=1e-12, kl_stop=mode)
+        cfg = stage3.Stage3Config(minibatch_size=3, update_epochs=3, adv_norm="off", target_kl=1e-12, kl_stop=mode)
         opt_a = torch.optim.SGD(agent.policy_parameters(), 1e-1)
         opt_c = torch.optim.SGD(agent.value_parameters(), 1e-2)
         value_before = torch.nn.functional.mse_loss(agent.value(obs), batch["returns"]).item()
@@ -216,7 +216,7 @@ def test_policy_epochs_moves_the_policy_in_the_first_epochs_only_and_the_value_i
         agent, obs = agent_for("reinflow")
         batch = batch_of(agent, obs)                                          # 6 decisions
         cfg = stage3.Stage3Config(minibatch_size=3, update_epochs=epochs, policy_epochs=policy_epochs,
-                                      norm_adv=False)
+                                      adv_norm="off")
         opt_a = torch.optim.SGD(agent.policy_parameters(), 1e-1)
         opt_c = torch.optim.SGD(agent.value_parameters(), 1e-2)
         stats = ppo.ppo_update(agent, batch, opt_a, opt_c, cfg, generator=torch.Generator().manual_seed(0))
@@ -338,7 +338,7 @@ def test_the_w2_regulariser_is_zero_at_the_start_and_holds_ppo_near_it():
         assert torch.allclose(agent.ode_chunk(obs, x0), agent.sample(obs, deterministic=True, x0=x0)[0][:, -1],
                               atol=1e-6)
     start = copy.deepcopy(agent)
-    assert torch.equal(reinflow.W2Regulariser(agent, start, 1.0)(obs), torch.zeros(len(obs)))
+    assert torch.equal(reinflow.W2Regulariser(agent, start, 1.0).distance(obs), torch.zeros(len(obs)))
 
     def distance_after_ppo(coeff):
         torch.manual_seed(0)
@@ -355,10 +355,11 @@ def test_the_w2_regulariser_is_zero_at_the_start_and_holds_ppo_near_it():
             batch = {"obs": obs, "chains": chain, "log_probs": log_prob, "stochastic": stochastic,
                      "step_log_probs": step_lp, "values": torch.zeros(len(obs)), "advantages": r - r.mean(),
                      "returns": r}
-            stats = ppo.ppo_update(moved, batch, opt_a, opt_c, cfg, generator=gen, regulariser=reg if coeff else None)
+            stats = ppo.ppo_update(moved, batch, opt_a, opt_c, cfg, generator=gen, regularisers=[reg] if coeff else [])
             assert ("bc_loss" in stats) == bool(coeff)
         with torch.no_grad():
-            return reinflow.W2Regulariser(moved, start, 1.0)(obs, torch.Generator().manual_seed(2)).mean().item()
+            w2 = reinflow.W2Regulariser(moved, start, 1.0)
+            return w2.distance(obs, torch.Generator().manual_seed(2)).mean().item()
 
     free, held = distance_after_ppo(0.0), distance_after_ppo(100.0)
     assert free > 1e-2 and held < 0.5 * free, (free, held)  # measured: 0.129 and 0.047

@@ -304,3 +304,48 @@ def test_grasp_min_gap_on_an_observation_without_pickcubes_layout_is_a_clear_err
     runner.window = runner.window[..., :40]
     with pytest.raises(ValueError, match="state observation \\(42 dims\\), got 40"):
         runner.step_chunk(torch.zeros(1, 1, ACT_DIM))
+
+
+class TouchThenLeave:
+    """A scripted env that is solved at steps 3 and 4 only (the object pushed onto the goal, then past it) and
+    truncated at step 8."""
+
+    num_envs, device, task_flags = 1, "cpu", {}
+
+    def reset(self, seed=None):
+        self.t = 0
+        return torch.zeros(1, 3)
+
+    def reset_some(self, mask, seeds):
+        return self.reset()
+
+    def step(self, action):
+        self.t += 1
+        no = torch.zeros(1, dtype=torch.bool)
+        return (torch.full((1, 3), float(self.t)), torch.zeros(1), no, torch.tensor([self.t >= 8]),
+                torch.tensor([self.t in (3, 4)]))
+
+
+def test_terminate_on_success_off_runs_past_a_success_pays_each_solved_step_and_records_success_at_end():
+    """Sparse reward: by default the success at step 3 ends the episode (terminal, reward gamma^2); with
+    ``terminate_on_success=False`` it runs to the time limit (a truncation, not terminal), earns 1 at each solved
+    step (gamma^2 + gamma^3) and its record says it touched the goal but did not end there."""
+    gamma = 0.9
+    ends = {}
+    for terminate in (True, False):
+        runner = smdp.ChunkRunner(TouchThenLeave(), obs_horizon=2, gamma=gamma, reward="sparse",
+                                  terminate_on_success=terminate)
+        step = runner.step_chunk(torch.zeros(1, 8, 2), auto_reset=False)
+        ends[terminate] = (step["reward"].item(), bool(step["terminal"]), bool(step["end"]), runner.pop_finished())
+    reward, terminal, end, (episode,) = ends[True]
+    assert (reward, terminal, end) == (pytest.approx(gamma ** 2), True, True)
+    assert (episode["length"], episode["success_once"], episode["success_at_end"]) == (3, True, True)
+    reward, terminal, end, (episode,) = ends[False]
+    assert (reward, terminal, end) == (pytest.approx(gamma ** 2 + gamma ** 3), False, True)
+    assert (episode["length"], episode["success_once"], episode["success_at_end"]) == (8, True, False)
+    with pytest.raises(ValueError, match="applies to reward 'sparse'"):
+        smdp.ChunkRunner(TouchThenLeave(), obs_horizon=2, gamma=gamma, reward="dense", terminate_on_success=False)
+    with pytest.raises(ValueError, match="terminate_on_success: false applies to reward 'sparse'"):
+        stage3.Stage3Config(reward="dense", terminate_on_success=False)
+    with pytest.raises(ValueError, match="reads success from an episode's termination"):
+        stage3.Stage3Config(learner="rfc", rfc_mask="success_only", terminate_on_success=False)

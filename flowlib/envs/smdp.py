@@ -74,6 +74,9 @@ class ChunkRunner:
     policies that maximise it are those that maximise the sparse one, with the dense reward's guidance (while
     the critic learns: at its fixed point ``Q_shaped(s, a) = Q_sparse(s, a) - phi(s)``, the sparse reward's
     action-gradient; notebook 03).
+    With ``terminate_on_success=False`` (``"sparse"`` only) a success does not end the episode: it runs to the time
+    limit and earns 1 per solved step, so learning pays for holding the goal, not for touching it (ManiSkill's
+    ``ignore_terminations``); every finished episode records ``success_at_end`` beside ``success_once``.
     The logged return of ``"shaped"`` is its sparse part (1 if the episode succeeded).  ``success_bonus``
     ``B`` (``"dense"`` only) adds ``B`` to what learning sees at every step whose state counts as solved, so a
     success is worth ``1 + B`` per step against a near-miss's 0.5-0.8; the logged return stays the env's.
@@ -92,15 +95,18 @@ class ChunkRunner:
     asymmetric critic (``flowlib.methods.residual_td3``); ``[N, 0]`` for an env without one (the fast tasks).
     """
 
-    EPISODE_STATE = ("window", "privileged", "ep_return", "ep_success", "ep_flags", "ep_length", "active",
-                     "phi")  # what ``save`` keeps
+    EPISODE_STATE = ("window", "privileged", "ep_return", "ep_success", "ep_success_now", "ep_flags", "ep_length",
+                     "active", "phi")  # what ``save`` keeps
 
     def __init__(self, env, obs_horizon: int, gamma: float, reward: str = "sparse", first_seed: int = 2_000_000,
                  reward_scale: float = 1.0, success_bonus: float = 0.0, reach_weight: float = 0.0,
                  grasp_min_gap: float = 0.0, place_weight: float = 0.0, place_sharpness: float = 20.0,
-                 reach_sharpness: float = 5.0):
+                 reach_sharpness: float = 5.0, terminate_on_success: bool = True):
         if reward not in REWARDS:
             raise ValueError(f"reward must be one of {REWARDS}, got {reward!r}")
+        if not terminate_on_success and reward != "sparse":
+            raise ValueError(f"terminate_on_success=False applies to reward 'sparse' (the dense reward never ends an "
+                             f"episode on success, the shaped one's potential assumes it does), got {reward!r}")
         if success_bonus and reward != "dense":
             raise ValueError(f"success_bonus applies to reward 'dense' only, got reward {reward!r}")
         if reach_weight and reward == "sparse":
@@ -119,7 +125,7 @@ class ChunkRunner:
         self.env, self.obs_horizon, self.gamma, self.reward = env, obs_horizon, gamma, reward
         self.reward_scale, self.success_bonus, self.reach_weight = reward_scale, success_bonus, reach_weight
         self.grasp_min_gap, self.place_weight, self.place_sharpness = grasp_min_gap, place_weight, place_sharpness
-        self.reach_sharpness = reach_sharpness
+        self.reach_sharpness, self.terminate_on_success = reach_sharpness, terminate_on_success
         N = env.num_envs
         self.next_seed = first_seed + N
         obs = env.reset(seed=first_seed).cpu()  # the rollout's bookkeeping is on the CPU, whatever the env's device
@@ -127,6 +133,7 @@ class ChunkRunner:
         self.privileged = self._privileged(N)                 # [N, P]
         self.ep_return = torch.zeros(N)
         self.ep_success = torch.zeros(N, dtype=torch.bool)
+        self.ep_success_now = torch.zeros(N, dtype=torch.bool)  # success at the episode's latest step
         self.flag_names: list[str] = []  # the env's task flags (``env.task_flags``), known from the first step
         self.ep_flags = torch.zeros(N, 0, dtype=torch.bool)  # [N, F]: each flag true at some step of the episode
         self.ep_length = torch.zeros(N, dtype=torch.long)
@@ -144,6 +151,7 @@ class ChunkRunner:
         self.window = obs[:, None].repeat(1, self.obs_horizon, 1)
         self.privileged = self._privileged(N)
         self.ep_return.zero_(), self.ep_success.zero_(), self.ep_flags.zero_(), self.ep_length.zero_(), self.phi.zero_()
+        self.ep_success_now.zero_()
         self.active.fill_(True)
 
     def step_chunk(self, actions: torch.Tensor, auto_reset: bool = True) -> dict[str, torch.Tensor]:
@@ -165,6 +173,7 @@ class ChunkRunner:
             reward += alive * discount * (r + extra) * self.reward_scale
             self.ep_return += alive * r
             self.ep_success |= alive & success
+            self.ep_success_now = torch.where(alive, success, self.ep_success_now)
             self._track_flags(alive)
             self.ep_length += alive.long()
             discount = torch.where(alive, discount * self.gamma, discount)
@@ -180,9 +189,12 @@ class ChunkRunner:
         self.window, self.privileged = window.clone(), privileged.clone()
         ended_rows = torch.nonzero(end).squeeze(1)  # one conversion per field: thousands of envs end together
         flag_keys = [f"{name}_once" for name in self.flag_names]
-        for ret, success, length, flags in zip(self.ep_return[ended_rows].tolist(), self.ep_success[ended_rows].tolist(),
-                                               self.ep_length[ended_rows].tolist(), self.ep_flags[ended_rows].tolist()):
-            self.finished.append({"return": ret, "success_once": success, "length": length, **dict(zip(flag_keys, flags))})
+        for ret, success, at_end, length, flags in zip(
+                self.ep_return[ended_rows].tolist(), self.ep_success[ended_rows].tolist(),
+                self.ep_success_now[ended_rows].tolist(), self.ep_length[ended_rows].tolist(),
+                self.ep_flags[ended_rows].tolist()):
+            self.finished.append({"return": ret, "success_once": success, "success_at_end": at_end, "length": length,
+                                  **dict(zip(flag_keys, flags))})
         if not auto_reset:
             self.active &= ~end
         elif end.any():
@@ -193,6 +205,7 @@ class ChunkRunner:
             self.window[end] = obs[end][:, None].repeat(1, self.obs_horizon, 1)
             self.privileged[end] = self._privileged(N)[end]
             self.ep_return[end], self.ep_success[end], self.ep_length[end], self.phi[end] = 0.0, False, 0, 0.0
+            self.ep_success_now[end] = False
             self.ep_flags[end] = False
         return out
 
@@ -216,8 +229,8 @@ class ChunkRunner:
         what learning adds to the task reward and the logged return does not (shaping term, success bonus,
         reach and place terms, and the dense reward's grasp pay taken back from a grasp that ``_grasped`` does not
         hold)."""
-        if self.reward == "sparse":
-            return success.float(), success, torch.zeros_like(r)
+        if self.reward == "sparse":  # 1 per solved step; a success ends the episode unless terminate_on_success is off
+            return success.float(), success & self.terminate_on_success, torch.zeros_like(r)
         r_learn, grasped = r, None
         if self.reach_weight or self.grasp_min_gap or self.place_weight:
             grasped = self._grasped(obs)

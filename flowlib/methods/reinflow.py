@@ -41,6 +41,7 @@ class ChainConfig:
     """The noisy chain's options (steer ``"chain"``): what carries noise, and how the chain is scored."""
 
     noise_method: str = "reinflow"  # reinflow / flow_noise (learned std) / flow_sde / flow_cps (noise_level a)
+                                    # [toolkit: noise_*]
     noise_level: NonNegativeFloat = 0.5  # a of flow_sde / flow_cps; scaled by the noise schedule like max_noise_std
     hybrid: bool = False  # one random stochastic step per sample, the rest ODE (piRL's hybrid ODE-SDE)
     include_initial_noise: bool = False  # log N(x_0; 0, I) in the joint log-prob (flow_noise always has it)
@@ -50,6 +51,7 @@ class ChainConfig:
     clip_chain_means: bool = False  # clamp each noisy step's mean into the action range (ReinFlow's denoised clip)
     noise_clip: NonNegativeFloat = 0.0  # clip each step's standard normal draw at +-noise_clip sigma (0: off; ReinFlow: 3)
     bc_coeff: NonNegativeFloat = 0.0  # weight of the W2 pull to the start policy in PPO's loss (ReinFlow's; 0: off)
+                                      # [toolkit: bc_coeff_1]
 
     def chain_checks(self) -> list[tuple[bool, str]]:
         return [(self.noise_method in METHODS, f"noise_method must be one of {METHODS}, got {self.noise_method!r}"),
@@ -64,7 +66,9 @@ class ChunkScoreConfig:
 
     log_prob_reduce: str = "sum"  # "sum" (the exact joint log-prob), "mean" (over steps), "mean_dim" (per dim)
     critic_input: str = "obs"  # V reads "obs" (the window) or "velocity_features" (the velocity net's features)
+                               # [toolkit: critic_velocity]
     detach_critic_input: bool = True  # velocity_features: the value loss does not reach the velocity net
+                                      # [toolkit: critic_velocity_grad]
 
     def score_checks(self) -> list[tuple[bool, str]]:
         return [(self.log_prob_reduce in LOG_PROB_REDUCE,
@@ -100,18 +104,18 @@ def chunk_rollout(cfg):
     return make
 
 
-def chunk_ppo(agent, cfg, name: str = "ReinFlow") -> PPOLearner:
+def chunk_ppo(agent, cfg, name: str = "ReinFlow", regularisers=()) -> PPOLearner:
     """PPO on chunk decisions (``collect``), for the chain and for the steers that score one Gaussian per chunk."""
-    return PPOLearner(agent, cfg, chunk_rollout(cfg), name=name)
+    return PPOLearner(agent, cfg, chunk_rollout(cfg), name=name, regularisers=regularisers)
 
 
 def chain_ppo(agent: ReinFlowAgent, cfg) -> PPOLearner:
     """Chain ReinFlow's learner: ``chunk_ppo``, with ``W2Regulariser`` to the start policy when ``bc_coeff > 0``."""
-    regulariser = None
+    regularisers = []
     if cfg.bc_coeff > 0:
         start_policy, _ = load_from_aw_shortcut_flow(policy_checkpoint(cfg.init_checkpoint, "init_checkpoint"))
-        regulariser = W2Regulariser(agent, chain_agent(start_policy, cfg), cfg.bc_coeff)
-    return PPOLearner(agent, cfg, chunk_rollout(cfg), name="ReinFlow", regulariser=regulariser)
+        regularisers.append(W2Regulariser(agent, chain_agent(start_policy, cfg), cfg.bc_coeff))
+    return chunk_ppo(agent, cfg, "ReinFlow", regularisers)
 
 
 class W2Regulariser:
@@ -124,13 +128,22 @@ class W2Regulariser:
     ``init_checkpoint`` so a resumed run pulls to the same place).  Both flows map the same ``x_0``: that coupling's
     cost is an upper bound on ``W_2^2`` between the two policies' chunk distributions (the optimal coupling costs
     no more), so the term keeps the whole distribution near the start, not only its mode.  It is 0 at the start
-    and grows as PPO moves the velocity net; the noise net is not reached by it.  Called by ``ppo.ppo_update``
-    per minibatch: ``(obs [b, To, O], generator) -> [b]`` squared distances; ``coeff`` weighs their mean."""
+    and grows as PPO moves the velocity net; the noise net is not reached by it.  ``distance(obs [b, To, O],
+    generator) -> [b]``: the squared distances; ``ppo.ppo_update`` weighs their mean over a minibatch by ``coeff``."""
+
+    name = "bc_loss"  # its column in the log
 
     def __init__(self, agent: ReinFlowAgent, start: ReinFlowAgent, coeff: float):
         self.agent, self.start, self.coeff = agent, start.eval().requires_grad_(False), float(coeff)
 
-    def __call__(self, obs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def weights(self, batch: dict, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return w  # every live decision
+
+    def __call__(self, batch: dict, rows: torch.Tensor, weights: torch.Tensor,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        return (self.distance(batch["obs"][rows], generator) * weights).sum()
+
+    def distance(self, obs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         a = self.agent
         x0 = torch.randn(len(obs), a.pred_horizon, a.action_dim, generator=generator).to(obs.device)
         self.start.to(obs.device)

@@ -38,7 +38,7 @@ from flowlib.methods.reinflow import ChainConfig, ChunkScoreConfig, chain_agent,
 from flowlib.methods.residual import ChunkResidualConfig, ResidualConfig, residual_agent
 from flowlib.methods.residual_step_ppo import step_ppo_agent, step_ppo_learner
 from flowlib.methods.residual_td3 import TD3Config, td3_agent, td3_learner
-from flowlib.methods.rfc import RFCConfig, rfc_learner
+from flowlib.methods.rfc import RFCConfig, RFCLossConfig, RFCMaskConfig, rfc_beside, rfc_learner
 from flowlib.policies import chunk_policy
 from flowlib.policies.awsc import load_from_aw_shortcut_flow
 from flowlib.rl import loop
@@ -81,9 +81,6 @@ def _gaussian_checks(cfg) -> list[tuple[bool, str]]:
 def _rfc_checks(cfg) -> list[tuple[bool, str]]:
     return [(cfg.advantage in PER_STEP_ADVANTAGES, f"learner 'rfc' masks by advantages over a rollout: advantage must "
              f"be one of {' / '.join(PER_STEP_ADVANTAGES)}, got {cfg.advantage!r}"),
-            (cfg.rfc_mask != "success_only" or cfg.reward == "sparse",
-             f"rfc_mask 'success_only' reads success from the sparse reward (an episode that terminates with r > 0): "
-             f"set reward: sparse (got {cfg.reward!r}) or mask by advantage"),
             (cfg.bc_coeff == 0, f"learner 'rfc' has no PPO loss for bc_coeff ({cfg.bc_coeff}) to weigh: its reflow is "
              "already a pull to its own chunks; leave bc_coeff out"), *_no_branches(cfg)]
 
@@ -94,11 +91,13 @@ def _fql_checks(cfg) -> list[tuple[bool, str]]:
 
 
 METHODS: dict[tuple[str, str], Method] = {
-    ("chain", "ppo"): Method("ReinFlow: PPO through the noisy denoising chain",
-                             (ChainConfig, ChunkScoreConfig, PPOConfig, AsymmetricConfig), chain_agent, chain_ppo),
-    ("latent", "ppo"): Method("DSRL's idea by PPO: a Gaussian policy over x_0, the flow frozen",
-                              (LatentConfig, ChunkScoreConfig, PPOConfig), latent_agent,
-                              functools.partial(chunk_ppo, name="latent PPO"), _no_branches),
+    ("chain", "ppo"): Method("ReinFlow: PPO through the noisy denoising chain (with rfc_lambda: RFC beside it)",
+                             (ChainConfig, ChunkScoreConfig, PPOConfig, AsymmetricConfig, RFCMaskConfig, RFCLossConfig),
+                             chain_agent, rfc_beside(chain_ppo)),
+    ("latent", "ppo"): Method("DSRL's idea by PPO: a Gaussian policy over x_0, the flow frozen (with rfc_lambda: "
+                              "reflowed in the same run)", (LatentConfig, ChunkScoreConfig, PPOConfig, RFCMaskConfig,
+                                                            RFCLossConfig), latent_agent,
+                              rfc_beside(functools.partial(chunk_ppo, name="latent PPO")), _no_branches),
     ("latent", "sac"): Method("DSRL: SAC over x_0 from a replay, KL-regularised to N(0, I)",
                               (LatentConfig, ReplayConfig, SACConfig), latent_sac_agent, sac_learner),
     ("residual", "ppo"): Method("PPO on a bounded correction of each chunk's executed actions",
@@ -110,7 +109,8 @@ METHODS: dict[tuple[str, str], Method] = {
                                      (ResidualConfig, PPOConfig, AsymmetricConfig), step_ppo_agent, step_ppo_learner,
                                      _per_step_ppo),
     ("chain", "rfc"): Method("RFC: reflow the flow on its own rollouts' chunks, masked by success or advantage",
-                             (ChainConfig, ChunkScoreConfig, PPOConfig, RFCConfig), chain_agent, rfc_learner,
+                             (ChainConfig, ChunkScoreConfig, PPOConfig, RFCMaskConfig, RFCConfig), chain_agent,
+                             rfc_learner,
                              _rfc_checks),
     ("one_step", "fql"): Method("FQL: a one-step policy distilled from the flow against Q, offline on the demos, "
                                 "then online", (FQLConfig, ReplayConfig), fql_agent, fql_learner, _fql_checks,
@@ -132,16 +132,16 @@ class MethodChoice:
 
 
 @dataclass
-class Stage3Config(AsymmetricConfig, FQLConfig, RFCConfig, GaussianConfig, TD3Config, SACConfig, ReplayConfig, PPOConfig,
-                   ChunkResidualConfig, ResidualConfig, LatentConfig, ChunkScoreConfig, ChainConfig, MethodChoice,
-                   RunConfig):
+class Stage3Config(AsymmetricConfig, FQLConfig, RFCLossConfig, RFCConfig, RFCMaskConfig, GaussianConfig, TD3Config,
+                   SACConfig, ReplayConfig, PPOConfig, ChunkResidualConfig, ResidualConfig, LatentConfig,
+                   ChunkScoreConfig, ChainConfig, MethodChoice, RunConfig):
     """The parameters of a stage-3 notebook, flat as papermill passes them: ``RunConfig``'s, the method choice,
     and every method's own (``METHODS``).  A field the chosen method does not read must stay at its default.
     Defaults are the short CPU run of chain ReinFlow."""
 
     RENAMED: ClassVar[dict[str, str]] = {"sac_batch_size": "replay_batch_size", "sac_buffer_size": "replay_size",
                                          "sac_updates_per_decision": "replay_updates_per_decision",
-                                         "sac_tau": "target_tau"}
+                                         "sac_tau": "target_tau", "norm_adv": "adv_norm"}
 
     def __post_init__(self):
         check_fields(self)
@@ -282,7 +282,10 @@ def checkpoint_config(ckpt: dict, overrides: dict | None = None) -> Stage3Config
     Older checkpoints are read as today's: renamed fields under their new names (``Stage3Config.RENAMED``; the
     residual steers' ``latent_hidden_dims`` as ``residual_hidden_dims``), and fields that the resulting method does
     not read left out (they changed nothing in the run, so nothing is lost)."""
-    saved = {Stage3Config.RENAMED.get(k, k): v for k, v in ckpt["config"].items()}
+    saved = dict(ckpt["config"])
+    if "norm_adv" in saved:  # a bool before 2026-12-07; it standardised over the whole batch
+        saved["norm_adv"] = "batch" if saved["norm_adv"] else "off"
+    saved = {Stage3Config.RENAMED.get(k, k): v for k, v in saved.items()}
     if saved.get("steer", "chain").startswith("residual") and "residual_hidden_dims" not in saved:
         saved["residual_hidden_dims"] = saved.pop("latent_hidden_dims", [256, 256])  # written before the split
     saved.setdefault("obs_clip", 0.0)  # checkpoints from before obs_clip ran unclipped

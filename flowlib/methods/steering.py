@@ -217,6 +217,7 @@ class ChunkSteeringAgent(FlowSteer):
     the draw's dims, as ``ReinFlowAgent`` does for the chain).  The decision layout is in the module docstring."""
 
     STATE_VALUE = True  # PPO's V(o); an off-policy learner's agent has its Q instead
+    train_flow = False  # True: the flow's net is trained too (RFC beside PPO, ``flowlib.methods.rfc.RFCRegulariser``)
 
     def __init__(self, policy, num_inference_steps: int, value_hidden_dims: tuple[int, ...] = (256, 256),
                  log_prob_reduce: str = "sum", act_horizon: int | None = 0, obs_clip: float = 5.0):
@@ -244,7 +245,7 @@ class ChunkSteeringAgent(FlowSteer):
 
     # ------------------------------------------------------------------ what the rollouts, PPO and evaluation call
     def policy_parameters(self):
-        return list(self.head.parameters())
+        return list(self.head.parameters()) + (list(self.flow.net.parameters()) if self.train_flow else [])
 
     def value_parameters(self):
         return list(self.value_net.parameters())

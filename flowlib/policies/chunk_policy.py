@@ -104,17 +104,22 @@ def build_policy(meta: dict[str, Any], obs_normalizer: Normalizer | None = None,
     else:
         net = ShortCutVelocityUNet1D(*dims, down_dims=tuple(meta["down_dims"]), emb_dim=meta["emb_dim"],
                                      obs_emb_dim=meta["obs_emb_dim"], obs_encoder=encoder)
-    if meta["model"] in ("reflow", "meanflow"):
-        flow = FLOW_MODELS[meta["model"]](net, ema_decay=meta["ema_decay"])
-    elif meta["model"] == "ddpm":
-        flow = DDPM(net, ema_decay=meta["ema_decay"], num_train_timesteps=meta["diffusion_steps"],
-                    clip_range=float(meta["diffusion_clip_sample"]), sampler=meta["diffusion_sampler"])
-    else:
-        flow = ShortCut(net, ema_decay=meta["ema_decay"], max_steps=meta["shortcut_max_steps"],
-                        bootstrap_fraction=meta["bootstrap_fraction"])
+    flow = flow_model(meta, net, meta["ema_decay"])
     obs_normalizer = Normalizer(meta["obs_dim"]) if obs_normalizer is None else copy.deepcopy(obs_normalizer)
     action_normalizer = Normalizer(meta["action_dim"]) if action_normalizer is None else copy.deepcopy(action_normalizer)
     return FlowPolicy(flow, obs_normalizer, action_normalizer, meta)
+
+
+def flow_model(meta: dict[str, Any], net: nn.Module, ema_decay: float | None) -> ShortCut | DDPM:
+    """The stage-1 model ``meta["model"]`` names (its loss and sampler) around ``net``; ``ema_decay=None``: no EMA
+    copy (RFC's reflow trains the live net).  ``meta`` as ``complete_meta`` leaves it."""
+    if meta["model"] in ("reflow", "meanflow"):
+        return FLOW_MODELS[meta["model"]](net, ema_decay=ema_decay)
+    if meta["model"] == "ddpm":
+        return DDPM(net, ema_decay=ema_decay, num_train_timesteps=meta["diffusion_steps"],
+                    clip_range=float(meta["diffusion_clip_sample"]), sampler=meta["diffusion_sampler"])
+    return ShortCut(net, ema_decay=ema_decay, max_steps=meta["shortcut_max_steps"],
+                    bootstrap_fraction=meta["bootstrap_fraction"])
 
 
 def observation_meta(cfg, dataset) -> dict[str, Any]:

@@ -54,12 +54,14 @@ def decisions_per_iteration(cfg, act_horizon: int) -> int:
 
 class PPOLearner:
     """PPO on what ``make_rollout(agent, runner, generator)() -> RolloutBuffer`` collects, scored by ``scorer``
-    (the agent, or a view of it whose ``obs`` / ``chains`` are what its rollouts store), with an optional
-    ``regulariser`` of the policy in the loss (``ppo_update``; chain ReinFlow's ``W2Regulariser``)."""
+    (the agent, or a view of it whose ``obs`` / ``chains`` are what its rollouts store), with optional
+    ``regularisers`` of the policy in the loss (``ppo_update``; chain ReinFlow's ``W2Regulariser``, RFC's
+    ``RFCRegulariser``).  A regulariser with a ``prepare(buf, advantages, batch)`` method adds what it reads to the
+    flat batch before the update (RFC's mask)."""
 
-    def __init__(self, agent, cfg, make_rollout: Callable, scorer=None, name: str = "PPO", regulariser=None):
+    def __init__(self, agent, cfg, make_rollout: Callable, scorer=None, name: str = "PPO", regularisers=()):
         self.agent, self.cfg, self.make_rollout, self.name = agent, cfg, make_rollout, name
-        self.regulariser = regulariser  # a penalty on the policy added to PPO's loss (``ppo_update``), or None
+        self.regularisers = tuple(regularisers)  # penalties on the policy added to PPO's loss (``ppo_update``)
         self.scorer = agent if scorer is None else scorer
         self.reward_scaler = RunningRewardScaler() if cfg.reward_scaling else None
 
@@ -94,14 +96,20 @@ class PPOLearner:
         advantages, returns = buf.advantages(self.cfg)
         if self.cfg.flip_advantages:  # the control: the same update along the opposite of the estimated gradient
             advantages = -advantages
-        stats = ppo_update(self.scorer, buf.flat(advantages, returns), self.actor_opt, self.critic_opt, self.cfg,
-                           train_policy=train_policy, generator=self.gen, regulariser=self.regulariser)
+        batch = buf.flat(advantages, returns)
+        for reg in self.regularisers:
+            if hasattr(reg, "prepare"):
+                reg.prepare(buf, advantages, batch)
+        stats = ppo_update(self.scorer, batch, self.actor_opt, self.critic_opt, self.cfg,
+                           train_policy=train_policy, generator=self.gen, regularisers=self.regularisers)
         live = buf.weights > 0
         stats["explained_variance"] = explained_variance(buf.values[live], returns[live])
         if "entropy" in stats:  # geometric-mean noise std from the Gaussian entropy
             stats["noise_std"] = math.exp(stats["entropy"] - 0.5 * (1 + LOG_2PI))
         if self.reward_scaler is not None:
             stats["reward_scale"] = self.reward_scaler.scale
+        for reg in self.regularisers:
+            stats |= reg.log() if hasattr(reg, "log") else {}
         return stats
 
     def state(self) -> dict:

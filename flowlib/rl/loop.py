@@ -48,6 +48,8 @@ class RunConfig(ShapingConfig):
     max_episode_steps: PositiveInt = 100  # the time limit (a truncation: bootstrapped, not terminal)
     backend: str = "auto"  # "auto", "physx_cpu" or "physx_cuda"
     reward: str = "sparse"  # "sparse": 1 on success (terminal); "dense": normalized_dense; "shaped": sparse + potential
+    terminate_on_success: bool = True  # "sparse": a success ends learning's episode; false: it runs on, 1 per solved
+                                       # step [toolkit: no_termination]
     reward_scale: PositiveFloat = 1.0  # learning sees reward_scale * r (value targets of O(1)); logged returns are raw
     success_bonus: NonNegativeFloat = 0.0  # reward "dense": added per solved step (learning only)
     num_inference_steps: PositiveInt = 8  # K, the denoising steps of the flow (noisy chain or frozen ODE)
@@ -63,7 +65,7 @@ class RunConfig(ShapingConfig):
     critic_lr: PositiveFloat = 1e-4  # the value / Q nets' learning rate
     lr_schedule: str = "constant"  # both learning rates over the run: "constant" or "cosine" (down to lr_min_ratio)
     lr_min_ratio: Fraction = 0.1  # "cosine": the rates end at this share of actor_lr and critic_lr
-    max_grad_norm: PositiveFloat = 1.0  # gradient-norm clip of every update
+    max_grad_norm: PositiveFloat = 1.0  # gradient-norm clip of every update [toolkit: grad_clip_0.5, grad_clip_off]
     obs_clip: NonNegativeFloat = 5.0  # normalised observations clipped to +-obs_clip (0: off)
     critic_warmup_steps: NonNegativeInt = 128  # iterations that start within these env steps update only the critic
     value_hidden_dims: list[PositiveInt] = dataclasses.field(default_factory=lambda: [256, 256])  # V / Q hidden sizes
@@ -88,6 +90,9 @@ class RunConfig(ShapingConfig):
              f"success_bonus ({self.success_bonus}) applies to reward 'dense' only (got reward {self.reward!r}): "
              f"the sparse and shaped rewards already pay a success alone; set success_bonus: 0.0 or reward: dense"),
             *self.shaping_checks(),
+            (self.terminate_on_success or self.reward == "sparse",
+             f"terminate_on_success: false applies to reward 'sparse' (got {self.reward!r}): the dense reward never "
+             f"ends an episode on success and the shaped one's potential assumes it does"),
             (self.noise_schedule in NOISE_SCHEDULES,
              f"noise_schedule must be one of {NOISE_SCHEDULES}, got {self.noise_schedule!r}"),
             (self.lr_schedule in LR_SCHEDULES, f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}"),
@@ -150,7 +155,7 @@ def learning_runner(cfg: RunConfig, env, obs_horizon: int, first_seed: int) -> C
                        reward_scale=cfg.reward_scale, success_bonus=cfg.success_bonus,
                        reach_weight=cfg.reach_weight, grasp_min_gap=cfg.grasp_min_gap,
                        place_weight=cfg.place_weight, place_sharpness=cfg.place_sharpness,
-                       reach_sharpness=cfg.reach_sharpness)
+                       reach_sharpness=cfg.reach_sharpness, terminate_on_success=cfg.terminate_on_success)
 
 
 def in_critic_warmup(steps_before: int, cfg: RunConfig) -> bool:
@@ -167,6 +172,7 @@ def episode_stats(episodes: list[dict]) -> dict[str, float]:
     if not episodes:
         return {}
     return {"train/success_once": float(np.mean([e["success_once"] for e in episodes])),
+            "train/success_at_end": float(np.mean([e["success_at_end"] for e in episodes])),
             "train/return": float(np.mean([e["return"] for e in episodes])),
             "train/episode_length": float(np.mean([e["length"] for e in episodes])),
             **{f"train/{k}": float(np.mean([e[k] for e in episodes])) for k in episodes[0]

@@ -24,33 +24,40 @@ from flowlib.infra.config import Fraction, NonNegativeFloat, NonNegativeInt, Pos
 from flowlib.infra.guards import require_finite
 from flowlib.rl.advantages import ESTIMATORS
 
+ADV_NORMS = ("batch", "minibatch", "off")  # where the advantages are standardised (``standardise``)
+
 
 @dataclass
 class PPOConfig:
     """The settings of the advantage estimators and of ``ppo_update`` (learner ``"ppo"`` of stage 3).  Notebook 03
-    reads them as flat parameters: ``stage3.Stage3Config`` composes this class with the other learners'."""
+    reads them as flat parameters: ``stage3.Stage3Config`` composes this class with the other learners'.  An option
+    marked ``[toolkit: <row>]`` is measured in that row of docs/results/toolkit.md."""
 
     update_epochs: PositiveInt = 2  # passes over the rollout per update
     policy_epochs: NonNegativeInt = 0   # epochs of each update that train the policy (0: all); the value fits all
     minibatch_size: PositiveInt = 16  # decisions per gradient step
     micro_batch_size: NonNegativeInt = 0  # rows per forward/backward pass in a minibatch (gradient accumulation); 0: all
-    advantage: str = "gae"              # gae / mc / nstep / grpo / branch (ESTIMATORS)
+    advantage: str = "gae"              # gae / mc / nstep / grpo / branch (ESTIMATORS) [toolkit: adv_*]
     gae_lambda: Fraction = 0.95  # GAE's lambda (advantage "gae")
-    n_step: PositiveInt = 5             # decisions, for advantage "nstep"
-    group_size: PositiveInt = 2         # envs per GRPO group (same env seed); num_envs must be a multiple
+    n_step: PositiveInt = 5             # decisions, for advantage "nstep" [toolkit: adv_nstep]
+    group_size: PositiveInt = 2         # envs per GRPO group (same env seed); num_envs a multiple [toolkit: adv_grpo]
     branches: PositiveInt = 1           # chains tried per decision from one env state (advantage "branch"; physx_cpu)
     clip_coef: PositiveFloat = 0.2  # the ratio's clip, 1 +- clip_coef (Schulman et al. 2017, Eq. 7)
     dual_clip: NonNegativeFloat = 0.0   # c > 1 caps the loss of negative-advantage samples at -c A; 0: off
-    value_clip: NonNegativeFloat = 0.0  # 0: unclipped value loss
-    huber_delta: NonNegativeFloat = 0.0  # > 0: Huber value loss with this delta; 0: squared error
+                                        # [toolkit: dual_clip_3]
+    value_clip: NonNegativeFloat = 0.0  # > 0: V clipped to the rollout's values +- this (PPO2); 0: unclipped
+                                        # [toolkit: value_clip_0.2, huber_value_clip]
+    huber_delta: NonNegativeFloat = 0.0  # > 0: Huber value loss with this delta; 0: squared [toolkit: huber_value_clip]
     ent_coef: NonNegativeFloat = 0.01  # weight of the entropy bonus
     vf_coef: NonNegativeFloat = 0.5  # weight of the value loss
     actor_optimizer: str = "adam"       # "adam", or "sgd": steps along the (norm-clipped) gradient itself
     target_kl: NonNegativeFloat = 0.0   # approx KL past which an update stops early (0: never)
     kl_stop: str = "all"                # past target_kl: "all" ends the update, "policy" keeps fitting the value
-    norm_adv: bool = True  # advantages normalised per minibatch
+    adv_norm: str = "batch"  # advantages standardised over the whole batch, per "minibatch", or "off"
+                             # [toolkit: adv_norm_minibatch, adv_norm_off]
     flip_advantages: bool = False  # a control: PPO ascends -A, so a method that learns must get worse
-    ratio_mode: str = "joint"           # "joint" (one-layer MDP) or "per_step" (two-layer MDP: a ratio per step)
+    ratio_mode: str = "joint"           # "joint" (one-layer MDP) or "per_step" (two-layer: a ratio per step)
+                                        # [toolkit: ratio_per_step]
     reward_scaling: bool = False        # rewards / running std of the discounted return (ReinFlow's, DPPO's)
 
     def ppo_checks(self) -> list[tuple[bool, str]]:
@@ -65,6 +72,7 @@ class PPOConfig:
             (self.advantage in ESTIMATORS, f"advantage must be one of {ESTIMATORS}, got {self.advantage!r}"),
             (self.group_size >= 2, "group_size must be >= 2 (a group of one has no baseline)"),
             (self.dual_clip == 0 or self.dual_clip > 1, "dual_clip must be 0 (off) or > 1"),
+            (self.adv_norm in ADV_NORMS, f"adv_norm must be one of {ADV_NORMS}, got {self.adv_norm!r}"),
         ]
 
 
@@ -109,6 +117,15 @@ def _masked_mean(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x * w).sum() / w.sum().clamp(min=1e-8)
 
 
+def standardise(adv: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``(A - mean) / (std + 1e-8)`` over the rows of weight ``w > 0`` (weighted); as is when at most one weight is
+    live (a mean of one row would zero it)."""
+    if w.sum() <= 1:
+        return adv
+    mean = _masked_mean(adv, w)
+    return (adv - mean) / (_masked_mean((adv - mean) ** 2, w).sqrt() + 1e-8)
+
+
 # --------------------------------------------------------------------------- the update
 
 
@@ -145,7 +162,7 @@ def _policy_sums(agent, batch: dict[str, torch.Tensor], idx: torch.Tensor, adv: 
 
 
 def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg, train_policy: bool = True,
-               generator: torch.Generator | None = None, regulariser=None) -> dict[str, float]:
+               generator: torch.Generator | None = None, regularisers=()) -> dict[str, float]:
     """Epochs of PPO minibatches over a flat batch of chain decisions.
 
     ``batch``: ``obs``, ``chains [n, K+1, H, A]`` (or whatever decision the agent scores, ``flowlib.rl.buffers``),
@@ -156,11 +173,15 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
     ``joint_log_prob(step_log_probs, stochastic, chains)``, ``policy_parameters()``, ``value_parameters()``.
     ``cfg`` provides the fields of ``PPOConfig`` and ``max_grad_norm``.
 
-    ``L = policy_loss - c_H H[noise] + c_v value_loss (+ c_R R)``, where the optional ``regulariser`` maps
-    ``(obs [b], generator)`` to a per-row penalty ``R [b]`` of the policy and carries its weight as ``coeff``
-    (ReinFlow's W2 pull to the start policy: ``flowlib.methods.reinflow.W2Regulariser``; logged as ``bc_loss``).  Before the first optimiser step the stored and
-    re-scored log-probs are the same computation on the same grid, so every ratio must be 1: checked
-    on the first minibatch, every update.  ``train_policy=False`` (critic warm-up) fits only the value.
+    ``L = policy_loss - c_H H[noise] + c_v value_loss (+ sum_j c_j R_j)`` over the optional ``regularisers``, each a
+    penalty of the policy with its weight ``coeff`` and its log name ``name``: ``weights(batch, idx, w) -> [b]`` gives
+    each minibatch row's weight in it, and ``regulariser(batch, rows, weights, generator)`` the weighted sum of its
+    per-row penalty over ``rows``; ``R_j`` is that sum over the minibatch divided by the weights' total (ReinFlow's W2
+    pull to the start policy, ``flowlib.methods.reinflow.W2Regulariser``, logged as ``bc_loss``; RFC beside PPO, the
+    masked ShortCut loss on the rollout's chunks, ``flowlib.methods.rfc.RFCRegulariser``, as ``rfc_loss``).
+
+    Before the first optimiser step the stored and re-scored log-probs are the same computation on the same grid, so
+    every ratio must be 1: checked on the first minibatch, every update.  ``train_policy=False`` (critic warm-up) fits only the value.
 
     ``target_kl`` early stop: once a minibatch's approx KL exceeds it, ``cfg.kl_stop = "all"`` ends the
     update (CleanRL), ``"policy"`` freezes the policy and fits the value for the remaining epochs, so a
@@ -178,12 +199,10 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
     n = len(batch["returns"])
     weights = batch.get("weights", torch.ones(n, device=device))
     adv_all = batch["advantages"]
-    if cfg.norm_adv and weights.sum() > 1:
-        mean = _masked_mean(adv_all, weights)
-        std = _masked_mean((adv_all - mean) ** 2, weights).sqrt()
-        adv_all = (adv_all - mean) / (std + 1e-8)
+    if cfg.adv_norm == "batch":  # "minibatch": each minibatch standardises its own rows, below
+        adv_all = standardise(adv_all, weights)
     stats: dict[str, list[float]] = {k: [] for k in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac",
-                                                     "bc_loss")}
+                                                     *(r.name for r in regularisers))}
     first, stopped_early, epoch, policy_steps = True, False, 0, 0
     policy_epochs = cfg.policy_epochs or cfg.update_epochs
     for epoch in range(cfg.update_epochs):
@@ -194,14 +213,21 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
             w = weights[idx]
             if w.sum() == 0:
                 continue
+            adv = adv_all
+            if cfg.adv_norm == "minibatch":  # the rows of this minibatch, standardised among themselves
+                adv = adv_all.clone()
+                adv[idx] = standardise(adv_all[idx], w)
             step_policy = train_policy_now and not stopped_early
             w_total = w.sum()
             row_w_total = _row_weights(batch["stochastic"][idx], w, cfg.ratio_mode).sum().clamp(min=1e-8)
-            sums = dict.fromkeys(("value_loss", "policy_loss", "entropy", "approx_kl", "clip_frac", "live", "bc_loss"),
-                                 0.0)
+            sums = dict.fromkeys(("value_loss", "policy_loss", "entropy", "approx_kl", "clip_frac", "live",
+                                  *(r.name for r in regularisers)), 0.0)
+            reg_w = [r.weights(batch, idx, w) for r in regularisers]        # each penalty's row weights [b]
+            reg_total = [rw.sum().clamp(min=1e-8) for rw in reg_w]
             actor_opt.zero_grad(set_to_none=True)
             critic_opt.zero_grad(set_to_none=True)
-            for micro in idx.split(cfg.micro_batch_size or len(idx)):      # gradient accumulation
+            size = cfg.micro_batch_size or len(idx)
+            for i, micro in enumerate(idx.split(size)):                      # gradient accumulation
                 wm = weights[micro]
                 value = (agent.value(batch["obs"][micro], batch["states"][micro]) if "states" in batch
                          else agent.value(batch["obs"][micro]))  # an asymmetric V reads the simulator's state
@@ -210,16 +236,16 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
                 loss = cfg.vf_coef * v_sum / w_total
                 sums["value_loss"] = sums["value_loss"] + v_sum.detach()   # tensors: no sync per slice
                 if step_policy:
-                    p = _policy_sums(agent, batch, micro, adv_all[micro], wm, cfg)
+                    p = _policy_sums(agent, batch, micro, adv[micro], wm, cfg)
                     if first and p["ratio_err"] > 1e-3:
                         raise RuntimeError(f"PPO ratio is {1 + p['ratio_err'].item():.4g}, not 1, before any "
                                            "update: sampling and re-scoring disagree (time grid, noise or "
                                            "normalisation differ)")
                     loss = loss + p["policy_loss"] / row_w_total - cfg.ent_coef * p["entropy"] / w_total
-                    if regulariser is not None:
-                        r_sum = (regulariser(batch["obs"][micro], generator) * wm).sum()
-                        loss = loss + regulariser.coeff * r_sum / w_total
-                        sums["bc_loss"] = sums["bc_loss"] + r_sum.detach()
+                    for reg, rw, total in zip(regularisers, reg_w, reg_total):
+                        r_sum = reg(batch, micro, rw[i * size:(i + 1) * size], generator)
+                        loss = loss + reg.coeff * r_sum / total
+                        sums[reg.name] = sums[reg.name] + r_sum.detach()
                     for key in ("policy_loss", "entropy", "approx_kl", "clip_frac", "live"):
                         sums[key] = sums[key] + p[key].detach()
                 loss.backward()
@@ -239,8 +265,9 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
                 stats["entropy"].append(sums["entropy"] / w_total.item())
                 stats["approx_kl"].append(sums["approx_kl"] / live)                # Schulman's k3
                 stats["clip_frac"].append(sums["clip_frac"] / live)
-                if regulariser is not None:
-                    stats["bc_loss"].append(sums["bc_loss"] / w_total.item())
+                for reg, rw, total in zip(regularisers, reg_w, reg_total):
+                    if rw.sum() > 0:  # a minibatch without a row the penalty weighs adds nothing to its mean
+                        stats[reg.name].append(sums[reg.name] / total.item())
                 actor_opt.step()
                 policy_steps += 1
                 if cfg.target_kl and stats["approx_kl"][-1] > cfg.target_kl:

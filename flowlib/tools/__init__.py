@@ -3,6 +3,7 @@
     run       `python -m flowlib.run NOTEBOOK --params FILE`: papermill runner
     evaluate  `python -m flowlib.evaluate`: checkpoints on the same fresh episodes, differences paired per episode
     results   `python -m flowlib.results publish|tables|check`: the files behind a published number, under results/
+    verdicts  a sweep's settings against its baseline, paired per seed on the same episodes (helps / hurts / none)
     seeds     `python -m flowlib.seeds`: a result over seeds from evaluate folders (spread, pooled rate)
     sweep     `python -m flowlib.sweep run|monitor`: notebook x params folder x seeds; the sweep report
     export    `python -m flowlib.export`: notebooks as HTML pages whose equations render offline

@@ -24,6 +24,8 @@ also re-derives every record's success rates and paired differences from its per
 ``<!-- end table -->`` after it; ``tables`` writes the table between them from the record's ``results.csv`` (one row
 per evaluated policy: success, its paired difference from the first row, success at the episode's end), and
 ``check`` fails on a marked table that differs from what the record gives, naming the page and the record.
+``<!-- verdicts: <record> -->`` marks a sweep's table instead: each setting against the sweep's baseline, paired on
+the record's episodes and averaged over training seeds (``flowlib.tools.verdicts``).
 
 **The README's rows.**  A results-at-a-glance row that links ``results/...`` (its *data* link) may quote only
 numbers its records hold: each decimal within half a unit of its last digit of a success, an SE, a paired
@@ -44,6 +46,7 @@ import pandas as pd
 
 from flowlib.infra.metrics import paired_means, success_rates
 from flowlib.infra.runs import REPO_ROOT, git_commit, outputs_root, save_json, shown
+from flowlib.tools import verdicts
 from flowlib.tools.evaluate import labels
 
 RESULTS_ROOT = REPO_ROOT / "results"
@@ -145,7 +148,8 @@ def rederive(record: Path) -> list[str]:
     return problems
 
 
-TABLE = re.compile(r"(<!-- table: (?P<record>[\w./-]+) -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
+TABLE = re.compile(r"(?P<open><!-- (?P<kind>table|verdicts): (?P<record>[\w./-]+) -->\n)(?P<body>.*?)"
+                   r"(?P<close><!-- end table -->)", re.S)  # "verdicts": a sweep's settings against its baseline
 PAGES = ("README.md", "docs")  # where marked tables may be, relative to the repository
 
 
@@ -177,10 +181,11 @@ def marked_tables(text: str, root: Path = RESULTS_ROOT) -> tuple[str, list[str]]
     changed = []
 
     def fill(m):
-        body = table(m.group("record"), root)
+        record = m.group("record")
+        body = table(record, root) if m.group("kind") == "table" else verdicts.markdown(verdicts.effects(root / record))
         if body != m.group("body"):
-            changed.append(m.group("record"))
-        return m.group(1) + body + m.group(4)
+            changed.append(record)
+        return m.group("open") + body + m.group("close")
     return TABLE.sub(fill, text), changed
 
 

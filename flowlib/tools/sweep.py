@@ -57,10 +57,16 @@ class SweepReportConfig:
     seeds: list[NonNegativeInt] = field(default_factory=lambda: [0])  # seeds of the smoke sweep
     success_level: Fraction = 0.9  # success a run must reach to count as solved (time-to-level column)
     metric: str = "train/success_once"  # the logged column the report compares
+    evaluation: str = ""  # results/<record> of the sweep's checkpoints on shared held-out episodes: paired verdicts
+    baseline: str = "baseline"  # the setting the verdicts compare every other with
     run_name: str = "default"
 
     def __post_init__(self):
         check_fields(self)
+        if self.evaluation and not (REPO_ROOT / "results" / self.evaluation / "per_episode.csv").is_file():
+            raise ConfigError(f"evaluation {self.evaluation!r}: no results/{self.evaluation}/per_episode.csv; publish "
+                              "the sweep's evaluation first (python -m flowlib.results publish outputs/evaluate/<run> "
+                              f"--as {self.evaluation}), or leave evaluation empty")
 
 
 @dataclass
