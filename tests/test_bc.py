@@ -164,6 +164,24 @@ def test_checkpoint_round_trip_gives_the_same_actions(tmp_path):
     assert (tmp_path / "best_model.pt").exists()
 
 
+@pytest.mark.parametrize("decay", [0.0, 0.9])
+def test_ema_decay_0_samples_the_trained_net_itself_and_a_decay_samples_its_average(tmp_path, decay):
+    """``ema_decay: 0`` (no EMA, the toolkit's stage-1 row) keeps no averaged copy: the policy acts with the trained
+    net, and its checkpoint loads as the same policy; with a decay the sampled net is the average, not the net."""
+    cfg = tiny_cfg(train_steps=5, ema_decay=decay)
+    policy, _ = bc.train(cfg, ChunkDataset(random_episodes(), 2, 16), tmp_path)
+    flow = policy.flow
+    assert (flow.ema is None) == (decay == 0)
+    assert (flow.sampling_net() is flow.net) == (decay == 0)
+    if decay:
+        live = torch.cat([p.flatten() for p in flow.net.parameters()])
+        assert not torch.equal(live, torch.cat([p.flatten() for p in flow.sampling_net().parameters()]))
+    loaded = bc.load_policy(tmp_path / "last.pt")
+    obs = torch.randn(3, 2, OBS_DIM)
+    assert torch.equal(policy.cpu().act(obs, 4, torch.Generator().manual_seed(0)),
+                       loaded.act(obs, 4, torch.Generator().manual_seed(0)))
+
+
 def test_a_resumed_run_without_periodic_evaluation_writes_its_final_policy_as_best_model(tmp_path):
     """eval_every 0: best_model.pt is the last policy, also after a resume (it was the first part's)."""
     dataset = ChunkDataset(random_episodes(), 2, 16)

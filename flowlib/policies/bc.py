@@ -80,7 +80,8 @@ class ShortCutBCConfig:
     diffusion_eval_steps: list[PositiveInt] = field(default_factory=lambda: [100, 10, 4, 1])  # the twin's step counts
     shortcut_max_steps: PositiveInt = 8  # the finest ShortCut step d_min is 1 / shortcut_max_steps
     bootstrap_fraction: Fraction = 0.25  # share of each batch given the ShortCut self-consistency target
-    ema_decay: Fraction = 0.995
+    ema_decay: Fraction = 0.995  # the sampled net is the Polyak average of the trained one at this decay; 0: no EMA
+                                 # [toolkit: stage 1's EMA]
     train_steps: PositiveInt = 300
     batch_size: PositiveInt = 128
     lr: PositiveFloat = 1e-3

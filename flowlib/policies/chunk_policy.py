@@ -111,8 +111,9 @@ def build_policy(meta: dict[str, Any], obs_normalizer: Normalizer | None = None,
 
 
 def flow_model(meta: dict[str, Any], net: nn.Module, ema_decay: float | None) -> ShortCut | DDPM:
-    """The stage-1 model ``meta["model"]`` names (its loss and sampler) around ``net``; ``ema_decay=None``: no EMA
-    copy (RFC's reflow trains the live net).  ``meta`` as ``complete_meta`` leaves it."""
+    """The stage-1 model ``meta["model"]`` names (its loss and sampler) around ``net``; ``ema_decay`` None or 0: no
+    EMA copy (RFC's reflow trains the live net; stage 1 without EMA).  ``meta`` as ``complete_meta`` leaves it."""
+    ema_decay = ema_decay or None
     if meta["model"] in ("reflow", "meanflow"):
         return FLOW_MODELS[meta["model"]](net, ema_decay=ema_decay)
     if meta["model"] == "ddpm":
