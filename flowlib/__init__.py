@@ -10,8 +10,8 @@ envs      tasks, maniskill (make_env), metaworld_envs, fast_envs, fast_avoid, fa
 policies  encoders, chunk_policy, policy_eval, bc (stage 1), critic, awsc (stage 2)
 rl        advantages, ppo, buffers, loop, learners, asymmetric
 methods   reinflow_agent, reinflow, steering, latent, latent_sac, residual, residual_step, residual_td3,
-          residual_step_ppo, gaussian, rfc, fql, stage3 (the registry)
-tools     run, evaluate, results, verdicts, seeds, sweep, export, bench, pirl
+          residual_step_ppo, gaussian, rfc, fql, registry, stage3
+tools     run, evaluate, results, verdicts, seeds, sweep, sweep_report, export, bench, pirl
 
 The commands keep their short names: ``python -m flowlib.run``, ``flowlib.evaluate``, ``flowlib.results``,
 ``flowlib.seeds``, ``flowlib.sweep``, ``flowlib.export``, ``flowlib.sysdeps``. The flat paths of before the folders

@@ -50,7 +50,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from flowlib.infra import config, runs
-from flowlib.tools import sweep, verdicts
+from flowlib.tools import sweep, sweep_report, verdicts
 from flowlib.infra.runs import REPO_ROOT, outputs_root
 
 # %% tags=["parameters"]
@@ -64,7 +64,7 @@ baseline: str = "baseline"  # the setting the verdicts compare every other with
 run_name: str = "default"  # the run folder, outputs/<notebook>/<run_name>
 
 # %%
-cfg = config.from_globals(sweep.SweepReportConfig, globals())
+cfg = config.from_globals(sweep_report.SweepReportConfig, globals())
 run_path = runs.run_dir("05_ablation_report", cfg.run_name)
 runs.save_params(run_path, cfg)
 if cfg.sweep_dir:
@@ -76,8 +76,8 @@ status = sweep.monitor(folder)
 print(f"{folder.relative_to(outputs_root())}: " + ", ".join(f"{r['job']} {r['status']}" for r in status))
 
 # %%
-curves, finals = sweep.load_sweep(folder)
-table = sweep.summarize(curves, finals, cfg.success_level, cfg.metric)
+curves, finals = sweep_report.load_sweep(folder)
+table = sweep_report.summarize(curves, finals, cfg.success_level, cfg.metric)
 table.to_csv(run_path / "summary_table.csv", index=False)
 table.round(3)
 

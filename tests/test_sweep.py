@@ -6,7 +6,7 @@ import pytest
 
 from flowlib.infra.config import ConfigError, load_yaml
 from flowlib.infra.runs import REPO_ROOT
-from flowlib.tools import sweep
+from flowlib.tools import sweep, sweep_report
 
 ABLATIONS = REPO_ROOT / "params" / "03_reinflow" / "ablations"
 
@@ -63,7 +63,7 @@ def test_a_failing_job_is_recorded_and_the_others_still_run(tmp_path, monkeypatc
     rows = sweep.monitor(tmp_path / "out" / "03_reinflow" / "params")
     assert [r["status"] for r in rows] == ["failed", "failed"]
     with pytest.raises(ValueError, match="no finished job yet; 2 failed, a_seed0 with: error: init_checkpoint: .*not found"):
-        sweep.load_sweep(tmp_path / "out" / "03_reinflow" / "params")  # the report says why, not only "see monitor"
+        sweep_report.load_sweep(tmp_path / "out" / "03_reinflow" / "params")  # the report says why, not only "see monitor"
     with pytest.raises(FileNotFoundError, match="sweep folder"):
         sweep.monitor(tmp_path)
 
@@ -100,7 +100,7 @@ def test_summarize_reports_steps_to_level_gain_stability_and_cost_per_setting():
     finals = pd.DataFrame([{"job": "a0", "variant": "noise_exp", "category": "noise", "seed": 0, "before": 0.5, "after": 0.7},
                            {"job": "a1", "variant": "noise_exp", "category": "noise", "seed": 1, "before": 0.5, "after": 0.9},
                            {"job": "b0", "variant": "baseline", "category": "baseline", "seed": 0, "before": 0.5, "after": 0.4}])
-    t = sweep.summarize(curves, finals, level=0.9).set_index("variant")
+    t = sweep_report.summarize(curves, finals, level=0.9).set_index("variant")
     assert t.loc["noise_exp", "steps_to_0.9"] == 200.0 and t.loc["noise_exp", "seeds_reaching"] == 2  # 300 and 100
     assert np.isnan(t.loc["baseline", "steps_to_0.9"]) and t.loc["baseline", "seeds_reaching"] == 0
     assert t.loc["noise_exp", "final_success_mean"] == pytest.approx(0.8)

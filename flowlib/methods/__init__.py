@@ -12,7 +12,8 @@
     gaussian        the baseline without a flow: a Gaussian MLP over the chunk, cloned from the demos, then PPO
     rfc             RFC, reflow fine-tuning with masks: the flow trained again on its own kept chunks
     fql             FQL, flow Q-learning: a one-step policy distilled from the flow and trained against Q
-    stage3          the registry: (steer, learner) -> configs, agent, learner; Stage3Config; build, load, train
+    registry        the registry: (steer, learner) -> configs, agent, learner; Stage3Config, the flat view
+    stage3          build, load and train a Stage3Config's agent; the notebooks' configs
 
-Adding a method is one module here plus one entry in ``stage3.METHODS`` (docs/howto/extending.md).
+Adding a method is one module here plus one entry in ``registry.METHODS`` (docs/howto/extending.md).
 """

@@ -33,7 +33,7 @@ NOTEBOOK_CONFIGS = {
     "03_reinflow": "flowlib.methods.stage3:ChainPPOConfig",
     "06_steering": "flowlib.methods.stage3:SteeringConfig",
     "04_flow_sde": "flowlib.tools.pirl:FlowSDEConfig",
-    "05_ablation_report": "flowlib.tools.sweep:SweepReportConfig",
+    "05_ablation_report": "flowlib.tools.sweep_report:SweepReportConfig",
 }
 
 
@@ -58,8 +58,8 @@ NOTEBOOK_PREFLIGHT = {
 }
 
 # notebooks whose parameters come in groups (``--show-params``, and the order of their parameters cells)
-NOTEBOOK_GROUPS = {"03_reinflow": "flowlib.methods.stage3:parameter_groups",
-                   "06_steering": "flowlib.methods.stage3:parameter_groups"}
+NOTEBOOK_GROUPS = {"03_reinflow": "flowlib.methods.registry:parameter_groups",
+                   "06_steering": "flowlib.methods.registry:parameter_groups"}
 
 
 def _function(spec: str):
