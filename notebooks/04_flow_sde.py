@@ -81,6 +81,7 @@ from flowlib.flows import flow_sde, toy2d
 from flowlib.tools import pirl
 from flowlib.envs.maniskill import make_env
 from flowlib.infra.tracking import start_run
+from flowlib.tools.run import start_checkpoint
 
 # %% tags=["parameters"]
 # Defaults: the small CPU run (a few minutes). params/04_flow_sde/cpu.yaml is the reported comparison.
@@ -90,10 +91,10 @@ marginal_steps: int = 100  # K of the marginal check
 marginal_samples: int = 4000  # samples per marginal comparison
 logprob_steps: list[int] = [2, 4, 8, 16, 32]  # chain lengths K of the log-probability table
 reflow_train_steps: int = 1500  # the trained 2D model (notebook 00's ReFlow on two_moons)
-init_checkpoint: str = ""  # stage-1/2 best_model.pt under outputs/; "" means 01_shortcut_bc/default
-methods: list[str] = ["reinflow", "flow_noise", "flow_sde", "flow_sde+hybrid"]  # noise methods fine-tuned on PickCube (reinflow, flow_noise, flow_sde, flow_sde+hybrid)
+init_checkpoint: str = "01_shortcut_bc/fast_reach_mlp/best_model.pt"  # stage-1/2 best_model.pt under outputs/
+methods: list[str] = ["reinflow", "flow_noise", "flow_sde", "flow_sde+hybrid"]  # noise methods fine-tuned (reinflow, flow_noise, flow_sde, flow_sde+hybrid)
 seeds: list[int] = [0]  # one fine-tuning run per method and seed
-finetune: dict = {"num_envs": 2, "num_inference_steps": 4, "total_env_steps": 256, "rollout_steps": 8, "update_epochs": 2, "minibatch_size": 16, "critic_warmup_steps": 0, "eval_every": 0, "num_eval_episodes": 4, "max_episode_steps": 100, "value_hidden_dims": [64, 64]}  # notebook 03's parameters shared by every method's run
+finetune: dict = {"env_id": "FastReach-v0", "num_envs": 512, "max_episode_steps": 40, "num_inference_steps": 4, "log_prob_over": "executed_last", "max_noise_std": 0.1, "final_noise_std": 0.04, "min_noise_std": 0.02, "noise_decay_steps": 10000000, "noise_level": 0.15, "total_env_steps": 1228800, "rollout_steps": 10, "update_epochs": 5, "minibatch_size": 2048, "actor_lr": 0.0001, "critic_lr": 0.001, "target_kl": 0.05, "critic_warmup_steps": 81920, "eval_every": 10, "num_eval_episodes": 512, "ckpt_every": 10}  # notebook 03's parameters shared by every method's run
 num_threads: int = 1  # torch CPU threads (0 means torch's default)
 resume: bool = True  # go on from the run folder's last.pt when there is one
 run_name: str = "default"  # the run folder, outputs/<notebook>/<run_name>
@@ -195,12 +196,16 @@ sharper = all((g.sort_values("a").per_step_mean.diff().dropna() < 0).all() for _
 print(f"larger a -> lower log-density per step, at every K: {sharper}")
 
 # %% [markdown]
-# ## 4 · PickCube: the noise methods at an equal env-step budget
+# ## 4 · A task: the noise methods at an equal env-step budget
 # Each method fine-tunes the same stage-1 checkpoint with the same PPO settings (`finetune`) and env-step
 # budget, for each seed; success is the deterministic ODE chain on the same held-out seeds before and after.
-# Runs are resumable: a finished `(method, seed)` is read back from its folder.
+# By default the task is FastReach, from the MLP clone notebook 03 starts from (made first when missing), 30
+# iterations of notebook 03's tutorial settings per method: about a minute each on 2 cores.
+# `params/04_flow_sde/fast_reach.yaml` runs 3 seeds for twice as long, `params/04_flow_sde/cpu.yaml` PickCube
+# (docs/results/flow_sde.md). Runs are resumable: a finished `(method, seed)` is read back from its folder.
 
 # %%
+start_checkpoint("04_flow_sde", cfg)  # the default start is made when missing
 first = cfg.finetune_config(cfg.methods[0], cfg.seeds[0])
 env = make_env(first.env_id, first.num_envs, max_episode_steps=first.max_episode_steps, backend=first.backend)
 before = pirl.evaluate_start(cfg, env, run_path)  # the ODE chain is the same for every method: once
@@ -222,6 +227,7 @@ table.round(3)
 budget = cfg.finetune_config(cfg.methods[0], 0).total_env_steps
 print(f"{len(cfg.methods)} methods x {len(cfg.seeds)} seeds ran; each met the env-step budget: "
       f"{all(r['env_steps'] >= budget for r in results)}")
+print(f"every run ended above its start: {all(r['after'] > r['before'] for r in results)}")
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))

@@ -44,8 +44,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 @dataclass
 class FlowSDEConfig:
-    """Parameters of notebook 04.  Defaults are the small CPU run (minutes); ``params/04_flow_sde/cpu.yaml``
-    is the comparison reported in docs/results/flow_sde.md."""
+    """Parameters of notebook 04.  Defaults are the small CPU run (minutes): the noise methods on FastReach from
+    its MLP clone (made first when missing), 30 iterations of notebook 03's tutorial settings each;
+    ``params/04_flow_sde/fast_reach.yaml`` (3 seeds, 60 iterations) and ``cpu.yaml`` (PickCube) are the comparisons
+    reported in docs/results/flow_sde.md."""
 
     seed: NonNegativeInt = 0
     # 2D: the SDE family against the ODE
@@ -54,14 +56,16 @@ class FlowSDEConfig:
     marginal_samples: PositiveInt = 4000  # samples per marginal comparison
     logprob_steps: list[PositiveInt] = field(default_factory=lambda: [2, 4, 8, 16, 32])  # chain lengths K of the log-probability table
     reflow_train_steps: PositiveInt = 1500  # the trained 2D model (notebook 00's ReFlow on two_moons)
-    # PickCube: noise methods at an equal env-step budget
-    init_checkpoint: str = ""              # stage-1/2 best_model.pt under outputs/; "" means 01_shortcut_bc/default
-    methods: list[str] = field(default_factory=lambda: ["reinflow", "flow_noise", "flow_sde", "flow_sde+hybrid"])  # noise methods fine-tuned on PickCube (reinflow, flow_noise, flow_sde, flow_sde+hybrid)
+    # a task: noise methods at an equal env-step budget
+    init_checkpoint: str = "01_shortcut_bc/fast_reach_mlp/best_model.pt"  # stage-1/2 best_model.pt under outputs/
+    methods: list[str] = field(default_factory=lambda: ["reinflow", "flow_noise", "flow_sde", "flow_sde+hybrid"])  # noise methods fine-tuned (reinflow, flow_noise, flow_sde, flow_sde+hybrid)
     seeds: list[NonNegativeInt] = field(default_factory=lambda: [0])  # one fine-tuning run per method and seed
     finetune: dict = field(default_factory=lambda: {  # notebook 03's parameters shared by every method's run
-        "num_envs": 2, "num_inference_steps": 4, "total_env_steps": 256, "rollout_steps": 8, "update_epochs": 2,
-        "minibatch_size": 16, "critic_warmup_steps": 0, "eval_every": 0, "num_eval_episodes": 4,
-        "max_episode_steps": 100, "value_hidden_dims": [64, 64]})
+        "env_id": "FastReach-v0", "num_envs": 512, "max_episode_steps": 40, "num_inference_steps": 4,
+        "log_prob_over": "executed_last", "max_noise_std": 0.1, "final_noise_std": 0.04, "min_noise_std": 0.02,
+        "noise_decay_steps": 10_000_000, "noise_level": 0.15, "total_env_steps": 1_228_800, "rollout_steps": 10,
+        "update_epochs": 5, "minibatch_size": 2048, "actor_lr": 1e-4, "critic_lr": 1e-3, "target_kl": 0.05,
+        "critic_warmup_steps": 81_920, "eval_every": 10, "num_eval_episodes": 512, "ckpt_every": 10})
     num_threads: NonNegativeInt = 1
     resume: bool = True
     run_name: str = "default"
@@ -81,7 +85,7 @@ class FlowSDEConfig:
 
     @property
     def env_id(self) -> str:
-        """The task of the PickCube comparison (``finetune``'s ``env_id``, else stage 3's default)."""
+        """The task of the comparison (``finetune``'s ``env_id``, else stage 3's default)."""
         return self.finetune.get("env_id", stage3.Stage3Config.env_id)
 
     def finetune_config(self, method: str, seed: int) -> stage3.Stage3Config:
@@ -141,7 +145,7 @@ def log_prob_table(velocity_fn, steps: list[int], noise_levels: list[float], n: 
 
 
 def init_checkpoint_path(cfg: FlowSDEConfig) -> Path:
-    """The stage-1/2 ``best_model.pt`` the PickCube comparison starts from (``FileNotFoundError`` if missing)."""
+    """The stage-1/2 ``best_model.pt`` the comparison starts from (``FileNotFoundError`` if missing)."""
     return policy_checkpoint(cfg.init_checkpoint, "init_checkpoint")
 
 

@@ -47,8 +47,9 @@ NOTEBOOK_INPUTS = {
 }
 
 # notebooks that make their *default* start checkpoint when it is missing (``start_checkpoint``): the chain-PPO
-# tutorial trains its fast-task start in half a minute.  A start named in params must exist, as everywhere.
-MAKES_ITS_START = {"03_reinflow"}
+# tutorial and the noise methods' comparison train their fast-task start in half a minute.  A start named in params
+# must exist, as everywhere.
+MAKES_ITS_START = {"03_reinflow", "04_flow_sde"}
 
 # notebook -> a check of its parameters against the files they name ("module:function", config -> problem or "")
 NOTEBOOK_PREFLIGHT = {
