@@ -202,7 +202,7 @@ def test_a_checkpoints_config_reads_old_names_as_the_new_ones():
     (["03_reinflow", "--run-name", "../elsewhere"], "run_name must be a plain folder name"),
     (["02_aw_shortcut"], "stage1_checkpoint: checkpoint"),
     (["03_reinflow", "-p", "init_checkpoint=01_shortcut_bc/nope/best_model.pt"], "init_checkpoint: checkpoint"),
-    (["04_flow_sde"], "init_checkpoint: checkpoint"),
+    (["04_flow_sde", "-p", "init_checkpoint=01_shortcut_bc/nope/best_model.pt"], "init_checkpoint: checkpoint"),
     (["06_steering", "--params", str(REPO_ROOT / "params/06_steering/cpu.yaml")],  # the run that writes its start
      "cpu150/best_model.pt not found: run notebook 01 first (python -m flowlib.run 01_shortcut_bc --params "
      "params/01_shortcut_bc/cpu150.yaml)"),
