@@ -363,3 +363,35 @@ def test_the_w2_regulariser_is_zero_at_the_start_and_holds_ppo_near_it():
 
     free, held = distance_after_ppo(0.0), distance_after_ppo(100.0)
     assert free > 1e-2 and held < 0.5 * free, (free, held)  # measured: 0.129 and 0.047
+
+
+def test_adv_norm_standardises_over_the_batch_per_minibatch_or_not_at_all():
+    """``adv_norm``: "batch" standardises the advantages once over the live rows; "minibatch" within each minibatch,
+    which is the same update when one minibatch holds the whole batch and another when it does not; "off" uses them
+    as given, so it equals "batch" on advantages already standardised."""
+    import copy
+
+    from test_flow_sde import agent_for
+    agent, obs = agent_for("reinflow", log_prob_over="executed")
+    chain, log_prob, stochastic, step_lp = agent.sample(obs, torch.Generator().manual_seed(0), return_steps=True)
+    adv = torch.tensor([3.0, -1.0, 0.5, 2.0, -2.0, 1.5])
+    w = torch.ones(6)
+    assert abs(ppo.standardise(adv, w).mean()) < 1e-6 and \
+        torch.allclose(ppo.standardise(adv, w).std(unbiased=False), torch.ones(()), atol=1e-4)
+
+    def step(mode, minibatch, advantages):
+        moved = copy.deepcopy(agent)
+        cfg = stage3.Stage3Config(minibatch_size=minibatch, update_epochs=1, ent_coef=0.0, adv_norm=mode)
+        batch = {"obs": obs, "chains": chain, "log_probs": log_prob, "stochastic": stochastic,
+                 "step_log_probs": step_lp, "values": torch.zeros(6), "advantages": advantages, "returns": adv}
+        opt_a = torch.optim.SGD(moved.policy_parameters(), lr=0.1)
+        opt_c = torch.optim.SGD(moved.value_parameters(), lr=0.0)
+        ppo.ppo_update(moved, batch, opt_a, opt_c, cfg, generator=torch.Generator().manual_seed(1))
+        return torch.cat([p.detach().flatten() for p in moved.policy_parameters()])
+
+    assert torch.equal(step("minibatch", 6, adv), step("batch", 6, adv))
+    assert not torch.allclose(step("minibatch", 3, adv), step("batch", 3, adv))
+    assert torch.allclose(step("off", 3, ppo.standardise(adv, w)), step("batch", 3, adv))
+    assert not torch.allclose(step("off", 3, adv), step("batch", 3, adv))
+    with pytest.raises(ValueError, match="adv_norm must be one of"):
+        stage3.Stage3Config(adv_norm="global")
