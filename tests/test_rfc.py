@@ -48,6 +48,8 @@ def test_the_registry_takes_chain_rfc_and_refuses_success_without_a_sparse_rewar
         stage3.Stage3Config(steer="latent", learner="sac", rfc_mask="advantage_topk")
     with pytest.raises(ValueError, match="does not read rfc_lambda"):
         stage3.Stage3Config(learner="rfc", rfc_lambda=0.05)
+    with pytest.raises(ValueError, match="use branches: 1 beside rfc_lambda"):
+        stage3.Stage3Config(rfc_lambda=0.05, advantage="branch", branches=2)
 
 
 def _rfc_batch(agent, obs, seed=0):

@@ -74,7 +74,10 @@ class RFCLossConfig:
         at_default = self.rfc_mask == "advantage_positive" and self.rfc_topk == 0.25
         return [(self.rfc_lambda > 0 or at_default,
                  f"rfc_mask / rfc_topk ({self.rfc_mask!r}, {self.rfc_topk}) choose what RFC beside PPO reflows, and "
-                 f"rfc_lambda is 0 (off): set rfc_lambda > 0 or leave them out")]
+                 f"rfc_lambda is 0 (off): set rfc_lambda > 0 or leave them out"),
+                (self.rfc_lambda == 0 or self.branches == 1,
+                 f"rfc_lambda reflows the chunks of the episodes that ran, and branches ({self.branches}) tries several "
+                 f"chunks per state, of which one runs on: use branches: 1 beside rfc_lambda")]
 
 
 @dataclass
