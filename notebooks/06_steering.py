@@ -165,7 +165,10 @@ pd.DataFrame([{"steer": s, "learner": lr, "method": m.summary, "reads": ", ".joi
 # picks (`rfc_mask`: the episode succeeded, $A > 0$, or the top share by $A$), and trains the flow on their chunks
 # with stage 1's ShortCut loss: no ratio, no likelihood. Where a mask keeps few decisions per rollout,
 # `rfc_buffer`, `rfc_min_kept` and `rfc_demo_fraction` remember them over iterations, wait for a minibatch and mix
-# the start's demos in (`params/06_steering/pickcube_rfc_anchored/`). FQL (`steer = "one_step"`, `learner = "fql"`)
+# the start's demos in (`params/06_steering/pickcube_rfc_anchored/`). Beside PPO instead (RLinf's `ppo_rfc`),
+# `rfc_lambda` adds the masked loss to PPO's, $L = L_{PPO} + \lambda \sum_i m_i \ell_i / \sum_i m_i$
+# (`flowlib.methods.rfc.RFCRegulariser`), on the chain or on DSRL's $x_0$ policy, whose frozen flow it then trains
+# in the same run ([the toolkit's rows](../docs/results/toolkit.md)). FQL (`steer = "one_step"`, `learner = "fql"`)
 # distils the frozen flow into a one-step policy $\mu_\omega(s, z)$ pushed up a critic,
 # $-Q(s, \mu_\omega(s, z))/|Q| + \alpha\,|\mu_\omega(s, z) - \mu_\theta(s, z)|^2$, offline on the demos (the "before"
 # row), then online from a replay seeded with them. The Gaussian baseline (`steer = "gaussian"`) has no flow at all:
