@@ -155,6 +155,7 @@ if cfg.evaluation:
     ax.scatter(rest.effect, np.arange(len(rest)), c=colours, zorder=3)
     ax.axvline(0, c="k", lw=0.8)
     ax.set_yticks(np.arange(len(rest)), rest.setting)
+    ax.set_ylabel("setting")
     ax.set_xlabel("success_once minus the baseline's, paired (mean over seeds; bars: 2 SE)")
     ax.set_title(f"{cfg.evaluation}: green helps, red hurts, grey within 2 SE")
     fig.tight_layout()
