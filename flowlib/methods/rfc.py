@@ -201,7 +201,7 @@ class RFCRegulariser:
     name = "rfc_loss"  # its column in the log
 
     def __init__(self, agent, cfg):
-        self.agent, self.cfg, self.coeff = agent, cfg, float(cfg.rfc_lambda)
+        self.cfg, self.coeff = cfg, float(cfg.rfc_lambda)
         if hasattr(agent, "actor"):           # the chain: the velocity net PPO moves
             net, self.norm_obs = agent.actor.base, agent._norm_obs
         else:                                 # a steer of the frozen flow (latent): the reflow unfreezes it

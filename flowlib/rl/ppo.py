@@ -181,7 +181,8 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
     masked ShortCut loss on the rollout's chunks, ``flowlib.methods.rfc.RFCRegulariser``, as ``rfc_loss``).
 
     Before the first optimiser step the stored and re-scored log-probs are the same computation on the same grid, so
-    every ratio must be 1: checked on the first minibatch, every update.  ``train_policy=False`` (critic warm-up) fits only the value.
+    every ratio must be 1: checked on the first minibatch, every update.  ``train_policy=False`` (critic warm-up)
+    fits only the value.
 
     ``target_kl`` early stop: once a minibatch's approx KL exceeds it, ``cfg.kl_stop = "all"`` ends the
     update (CleanRL), ``"policy"`` freezes the policy and fits the value for the remaining epochs, so a
@@ -213,10 +214,9 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
             w = weights[idx]
             if w.sum() == 0:
                 continue
-            adv = adv_all
+            adv = adv_all[idx]                                           # [b], in the minibatch's order
             if cfg.adv_norm == "minibatch":  # the rows of this minibatch, standardised among themselves
-                adv = adv_all.clone()
-                adv[idx] = standardise(adv_all[idx], w)
+                adv = standardise(adv, w)
             step_policy = train_policy_now and not stopped_early
             w_total = w.sum()
             row_w_total = _row_weights(batch["stochastic"][idx], w, cfg.ratio_mode).sum().clamp(min=1e-8)
@@ -228,6 +228,7 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
             critic_opt.zero_grad(set_to_none=True)
             size = cfg.micro_batch_size or len(idx)
             for i, micro in enumerate(idx.split(size)):                      # gradient accumulation
+                part = slice(i * size, (i + 1) * size)                      # micro's rows within the minibatch
                 wm = weights[micro]
                 value = (agent.value(batch["obs"][micro], batch["states"][micro]) if "states" in batch
                          else agent.value(batch["obs"][micro]))  # an asymmetric V reads the simulator's state
@@ -236,14 +237,14 @@ def ppo_update(agent, batch: dict[str, torch.Tensor], actor_opt, critic_opt, cfg
                 loss = cfg.vf_coef * v_sum / w_total
                 sums["value_loss"] = sums["value_loss"] + v_sum.detach()   # tensors: no sync per slice
                 if step_policy:
-                    p = _policy_sums(agent, batch, micro, adv[micro], wm, cfg)
+                    p = _policy_sums(agent, batch, micro, adv[part], wm, cfg)
                     if first and p["ratio_err"] > 1e-3:
                         raise RuntimeError(f"PPO ratio is {1 + p['ratio_err'].item():.4g}, not 1, before any "
                                            "update: sampling and re-scoring disagree (time grid, noise or "
                                            "normalisation differ)")
                     loss = loss + p["policy_loss"] / row_w_total - cfg.ent_coef * p["entropy"] / w_total
                     for reg, rw, total in zip(regularisers, reg_w, reg_total):
-                        r_sum = reg(batch, micro, rw[i * size:(i + 1) * size], generator)
+                        r_sum = reg(batch, micro, rw[part], generator)
                         loss = loss + reg.coeff * r_sum / total
                         sums[reg.name] = sums[reg.name] + r_sum.detach()
                     for key in ("policy_loss", "entropy", "approx_kl", "clip_frac", "live"):

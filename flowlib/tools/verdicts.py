@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from flowlib.infra.metrics import paired_means
+
 JOB = re.compile(r"(?:^|/)(?P<row>[^/]+)_seed(?P<seed>\d+)/[^/@]+(?P<suffix>@\S+)?$")
 
 
@@ -63,9 +65,9 @@ def effects(record: str | Path, baseline: str = "baseline", min_seeds: int = 3) 
             continue
         d, se, end_d, end_se = [], [], [], []
         for s in seeds:
-            diff = per_episode[jobs[row][s]].astype(float) - per_episode[base[s]].astype(float)
-            d.append(diff.mean())
-            se.append(diff.std(ddof=1) / np.sqrt(n))
+            _, paired = paired_means({"ref": per_episode[base[s]].tolist(), "row": per_episode[jobs[row][s]].tolist()})
+            d.append(paired["diff"])
+            se.append(paired["diff_se"])
             p, q = summary.loc[jobs[row][s], "success_at_end"], summary.loc[base[s], "success_at_end"]
             end_d.append(p - q)
             end_se.append(np.sqrt((p * (1 - p) + q * (1 - q)) / n))
