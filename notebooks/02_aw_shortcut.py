@@ -41,8 +41,8 @@
 # the SMDP target (IQL Eq. 6) with Polyak-averaged copies. The advantage is $A = \min_i Q_{\bar\theta_i} - V$.
 # A Monte-Carlo critic ($V$ regressed on observed returns, $A = G - V$) is the simple baseline.
 #
-# **Data with contrast.** Motion-planned demos all succeed, so a critic trained on them alone has
-# nothing to rank. We add rollouts of the stage-1 policy (deterministic and with exploration noise,
+# **Data with contrast.** Demos that (nearly) all succeed, motion-planned or scripted, give a critic trained on
+# them alone nothing to rank. We add rollouts of the stage-1 policy (deterministic and with exploration noise,
 # successes and failures) recorded in the simulator. Every episode stops at its first success,
 # which is terminal (the sparse reward is 1 there, 0 elsewhere).
 #
@@ -50,6 +50,11 @@
 # runs two more on the very same episodes and scores all of them on the same held-out seeds: RFC's masks (keep
 # some windows, drop the rest, the same loss) and FQL's offline phase (a one-step policy pushed up a Q-function,
 # held near the flow). Stage 3 takes up where this stops: the same methods online, with fresh rollouts.
+#
+# **By default** the task is `FastReach-v0`, from notebook 01's default clone (about 0.5), its 1,000 demos and 400 of its
+# rollouts: every method is scored on the same 500 held-out episodes, paired with stage 1, in a minute or two.
+# PickCube: `params/02_aw_shortcut/cpu.yaml`; FastPush over 3 training seeds: `fast_push_mlp.yaml`; Meta-World:
+# `metaworld_*.yaml` ([stage 2's record](../docs/results/stage2_aw_shortcut.md)).
 
 # %%
 import dataclasses
@@ -69,15 +74,15 @@ from flowlib.envs.maniskill import is_fast, make_env
 from flowlib.infra.tracking import start_run
 
 # %% tags=["parameters"]
-# Defaults: the small CPU run (minutes), starting from notebook 01's default checkpoint.
-# Longer runs: params/02_aw_shortcut/cpu.yaml (2 CPU cores) and gpu.yaml.
+# Defaults: the small CPU run (a minute or two), FastReach-v0 from notebook 01's default checkpoint.
+# Longer runs: params/02_aw_shortcut/cpu.yaml (PickCube, 2 CPU cores), gpu.yaml, fast_push_mlp.yaml, metaworld_*.yaml.
 seed: int = 0  # seed of torch and of the run's random draws
 stage1_checkpoint: str = ""  # relative to outputs/; "" means 01_shortcut_bc/default/best_model.pt
-env_id: str = "PickCube-v1"  # the task: a ManiSkill id (PickCube-v1) or a fast torch task (FastReach-v0, FastPush-v0)
-num_demos: int = 20  # demonstrations to clone (generated once, then cached)
+env_id: str = "FastReach-v0"  # the task: a ManiSkill id (PickCube-v1) or a fast torch task (FastReach-v0, FastPush-v0)
+num_demos: int = 1000  # demonstrations to clone (generated once, then cached)
 demo_file: str = ""  # an existing ManiSkill .h5 (state, pd_ee_delta_pos); "" means generate
-rollout_episodes: int = 6  # stage-1 rollouts per noise level, added to the demos
-rollout_noise_stds: list[float] = [0.0, 0.3]  # action-noise std of each rollout batch (actions lie in [-1, 1])
+rollout_episodes: int = 200  # stage-1 rollouts per noise level, added to the demos
+rollout_noise_stds: list[float] = [0.0, 0.1]  # action-noise std of each rollout batch (actions lie in [-1, 1])
 rollout_inference_steps: int = 4  # K of the stage-1 policy during the rollouts
 rollout_checkpoint: str = ""  # a checkpoint whose policy collects the rollouts in place of stage 1's, e.g. a steering run's last.pt: RFC after steering (empty: stage 1)
 critic: str = "iql"  # "iql" or "mc"
@@ -85,38 +90,38 @@ reward: str = "sparse"  # "sparse" (success) or "dense" (normalized_dense)
 gamma: float = 0.99  # discount per env step
 expectile: float = 0.7  # IQL's expectile tau for V (0.5 is the mean)
 target_polyak: float = 0.005  # rate of the target critic's soft update
-critic_hidden_dims: list[int] = [128, 128]  # hidden widths of the Q and V nets
+critic_hidden_dims: list[int] = [256, 256]  # hidden widths of the Q and V nets
 critic_lr: float = 0.0003  # the critic's learning rate
 critic_steps: int = 1000  # critic gradient steps
-critic_batch_size: int = 256  # transitions per critic step
+critic_batch_size: int = 512  # transitions per critic step
 holdout_fraction: float = 0.25  # share of episodes held out to score the critic
-beta: float = 5.0  # inverse temperature of the weights exp(beta A)
+beta: float = 10.0  # inverse temperature of the weights exp(beta A)
 max_weight: float = 20.0  # weights clipped at this value
 weighting: str = "exp"  # "exp" (clipped) or "softmax" (per batch of the whole dataset)
 rfc_masks: list[str] = ["success_only", "advantage_positive", "advantage_topk"]  # one RFC run per mask and training seed ([]: none)
 rfc_topk: float = 0.25  # advantage_topk: the share of windows kept
-fql_offline_steps: int = 200  # FQL's offline updates on the same data, per training seed (0: no FQL row)
+fql_offline_steps: int = 500  # FQL's offline updates on the same data, per training seed (0: no FQL row)
 fql_alpha: float = 10.0  # FQL's distillation weight against the normalised -Q
 fql_hidden_dims: list[int] = [256, 256, 256]  # FQL's one-step policy MLP
 start_net: str = "ema"  # the stage-1 weights training goes on from: "ema" (the policy stage 1 scored) or "raw" (its live net)
 flow_episodes: str = "uncut"  # the flow trains on episodes "uncut" (as recorded) or "cut" at the first success (as the critic)
 train_seeds: list[int] = [0]  # one AW-ShortCut training run per seed
-train_steps: int = 200  # gradient steps
-batch_size: int = 128  # samples per gradient step
-lr: float = 0.0003  # peak learning rate (AdamW, cosine decay)
+train_steps: int = 500  # gradient steps
+batch_size: int = 512  # samples per gradient step
+lr: float = 0.0001  # peak learning rate (AdamW, cosine decay)
 weight_decay: float = 1e-06  # AdamW weight decay
-warmup_steps: int = 20  # linear learning-rate warm-up steps
-ckpt_every: int = 100  # write last.pt every this many steps (a run resumes from it)
+warmup_steps: int = 50  # linear learning-rate warm-up steps
+ckpt_every: int = 250  # write last.pt every this many steps (a run resumes from it)
 keep_every: int = 0  # also keep step_<N>.pt every keep_every steps (0: none)
 log_every: int = 25  # log the losses every this many steps
 eval_every: int = 0  # evaluate every this many steps (0 means only at the end)
 select_inference_steps: int = 4  # K whose success_once picks best_model.pt
 eval_inference_steps: list[int] = [4]  # integration steps K at which the final report evaluates
-num_eval_episodes: int = 4  # held-out episodes per evaluation
+num_eval_episodes: int = 500  # held-out episodes per evaluation
 val_seed: int = 10000  # periodic evaluations (best_model.pt); as in notebook 01
 eval_seed: int = 20000  # the stage-1 vs stage-2 comparison; held out from demos and rollouts
-num_envs: int = 2  # parallel envs
-max_episode_steps: int = 100  # env steps per episode
+num_envs: int = 500  # parallel envs
+max_episode_steps: int = 40  # env steps per episode
 backend: str = "auto"  # auto, physx_cpu or physx_cuda (a fast task maps them to torch_cpu or torch_cuda)
 num_threads: int = 1  # torch CPU threads (0 means torch's default)
 resume: bool = True  # go on from the run folder's last.pt when there is one

@@ -29,8 +29,9 @@
 #
 # Every method is one entry of `flowlib.methods.stage3.METHODS`, a `(steer, learner)` pair trained by the same loop
 # (`flowlib.rl.loop.train`) as chain ReinFlow; the sections after the registry's table give each one's math. The
-# defaults below are a short CPU run of the per-step residual by TD3 from notebook 01's default checkpoint: they show
-# the machinery in a minute, not a better policy; `params/06_steering/*.yaml` hold the runs of the record.
+# defaults below steer notebook 01's default clone on `FastReach-v0` by DSRL (PPO on $x_0$, the flow frozen) for 30
+# iterations, half a minute on 2 cores (its before and after are printed at the end of the run);
+# `params/06_steering/*.yaml` hold the runs of the record (`cpu.yaml`: the per-step residual's PickCube target).
 
 # %%
 import matplotlib.pyplot as plt
@@ -46,47 +47,96 @@ from flowlib.envs.maniskill import make_env
 from flowlib.infra.tracking import start_run
 
 # %% tags=["parameters"]
-# Defaults: TD3 on a per-step residual, a few iterations; params/06_steering/cpu.yaml is the ~1 h target run. Grouped by
-# the dataclass that declares them; every parameter a method reads, with its help:
+# Defaults: DSRL (steer latent, learner ppo) on FastReach-v0 from notebook 01's default clone, 30 iterations (half a
+# minute); params/06_steering/cpu.yaml is the per-step residual's ~1 h PickCube target run. Grouped by the dataclass
+# that declares them; every parameter a method reads, with its help:
 # `python -m flowlib.run 06_steering --show-params residual_step/td3` (any steer/learner).
 # RunConfig: every method
 seed: int = 0  # the run's seed (nets, noise, minibatches)
 init_checkpoint: str = ""  # stage-1/2 best_model.pt, relative to outputs/; "": 01_shortcut_bc/default
-env_id: str = "PickCube-v1"  # the task: ManiSkill's, Meta-World's v3 name or a fast torch task (FastReach-v0); the start checkpoint's task
-num_envs: int = 2  # parallel envs (processes on physx_cpu)
-max_episode_steps: int = 100  # the time limit (a truncation: bootstrapped, not terminal)
+env_id: str = "FastReach-v0"  # the task: ManiSkill's, Meta-World's v3 name or a fast torch task (FastReach-v0); the start checkpoint's task
+act_horizon: int = 0  # actions executed per chunk decision; 0: the start checkpoint's own
+num_envs: int = 512  # parallel envs (processes on physx_cpu)
+max_episode_steps: int = 40  # the time limit (a truncation: bootstrapped, not terminal)
 backend: str = "auto"  # "auto", "physx_cpu" or "physx_cuda"
-reward: str = "dense"  # "sparse": 1 on success (terminal); "dense": normalized_dense; "shaped": sparse + potential
+reward: str = "sparse"  # "sparse": 1 on success (terminal); "dense": normalized_dense; "shaped": sparse + potential
+terminate_on_success: bool = True  # "sparse": a success ends learning's episode; false: it runs on, 1 per solved step [toolkit: no_termination]
 reward_scale: float = 1.0  # learning sees reward_scale * r (value targets of O(1)); logged returns are raw
+success_bonus: float = 0.0  # reward "dense": added per solved step (learning only)
 num_inference_steps: int = 4  # K, the denoising steps of the flow (noisy chain or frozen ODE)
-min_noise_std: float = 0.005  # lower bound of the exploration std (of whatever the method draws)
-max_noise_std: float = 0.05  # upper bound of the exploration std at the start; decays to final_noise_std
-final_noise_std: float = 0.05  # that bound at the end of noise_decay_steps
+min_noise_std: float = 0.05  # lower bound of the exploration std (of whatever the method draws)
+max_noise_std: float = 1.0  # upper bound of the exploration std at the start; decays to final_noise_std
+final_noise_std: float = 1.0  # that bound at the end of noise_decay_steps
 noise_schedule: str = "constant"  # how the bound decays: "constant", "linear" or "exp"
-total_env_steps: int = 1024  # the run's budget
-rollout_steps: int = 8  # decisions per env per iteration (chunks; a per-step residual: chunks of steps)
-gamma: float = 0.8  # discount per env step
-actor_lr: float = 0.0001  # the policy's learning rate (0: the policy stays as it starts, a control)
-critic_lr: float = 0.0003  # the value / Q nets' learning rate
-critic_warmup_steps: int = 256  # iterations that start within these env steps update only the critic
-value_hidden_dims: list[int] = [64, 64]  # V / Q hidden sizes
-num_eval_episodes: int = 4  # episodes per evaluation
-bench_num_envs: list[int] = [2]  # throughput table
-bench_decisions: int = 2  # chunk decisions per throughput measurement
+noise_decay_steps: int = 512  # env steps over which it decays
+total_env_steps: int = 1228800  # the run's budget
+rollout_steps: int = 10  # decisions per env per iteration (chunks; a per-step residual: chunks of steps)
+gamma: float = 0.99  # discount per env step
+actor_lr: float = 0.0003  # the policy's learning rate (0: the policy stays as it starts, a control)
+critic_lr: float = 0.001  # the value / Q nets' learning rate
+lr_schedule: str = "constant"  # both learning rates over the run: "constant" or "cosine" (down to lr_min_ratio)
+lr_min_ratio: float = 0.1  # "cosine": the rates end at this share of actor_lr and critic_lr
+max_grad_norm: float = 1.0  # gradient-norm clip of every update [toolkit: grad_clip_0.5, grad_clip_off]
+obs_clip: float = 5.0  # normalised observations clipped to +-obs_clip (0: off)
+critic_warmup_steps: int = 81920  # iterations that start within these env steps update only the critic
+value_hidden_dims: list[int] = [256, 256]  # V / Q hidden sizes
+warm_start_value: bool = True  # V from a stage-2 checkpoint's critic (same inputs), when there is one
+eval_every: int = 10  # iterations between validations (pick best_model.pt); 0: only before and after
+num_eval_episodes: int = 512  # episodes per evaluation
+val_seed: int = 10000  # env seeds of the validations
+eval_seed: int = 20000  # env seeds of the before / after report (never used to pick a model)
+train_seed: int = 2000000  # env seeds of training episodes start here
+ckpt_every: int = 10  # iterations between last.pt checkpoints
+bench_num_envs: list[int] = [512]  # throughput table
+bench_decisions: int = 4  # chunk decisions per throughput measurement
 num_threads: int = 1  # torch threads (0: torch's default)
 resume: bool = True  # go on from the run folder's last.pt when there is one
 run_name: str = "default"  # the run folder, outputs/<notebook>/<run_name>
 wandb_mode: str = "disabled"  # "disabled", "offline" or "online"
+# ShapingConfig: every method, on PickCube-v1 only
+reach_weight: float = 0.0  # PickCube, dense / shaped: weight of 1 - tanh(reach_sharpness |cube - tcp|)
+reach_sharpness: float = 5.0  # 1/m, of the reach term (ManiSkill's own is 5; 20 pays the last cm)
+grasp_min_gap: float = 0.0  # PickCube, dense / shaped: a grasp counts only with fingers at least this far apart (m)
+place_weight: float = 0.0  # PickCube, dense / shaped: weight of 1 - tanh(place_sharpness |goal - cube|)
+place_sharpness: float = 20.0  # 1/m, of the place term
 # MethodChoice: the method
-steer: str = "residual_step"  # what RL moves: "chain", "latent", "residual", "residual_step", "one_step" (FQL), "gaussian"
-learner: str = "td3"  # how: "ppo"; "sac" (latent); "td3" (residual_step); "rfc" (chain); "fql" (one_step)
-# ReplayConfig: read by latent/sac, residual_step/td3, one_step/fql
-replay_batch_size: int = 64  # transitions per gradient step
-replay_updates_per_decision: float = 0.25  # gradient steps per stored decision (per env step for a per-step residual): the update-to-data ratio
-# ResidualConfig: read by residual/ppo, residual_step/td3, residual_step/ppo
-residual_bound: float = 0.2  # the bound on |mu| per dim (normalised action units)
-residual_gripper: bool = False  # False leaves the last action dim (the gripper) to the base
-residual_hidden_dims: list[int] = [64, 64]  # mu's MLP
+steer: str = "latent"  # what RL moves: "chain", "latent", "residual", "residual_step", "one_step" (FQL), "gaussian"
+learner: str = "ppo"  # how: "ppo"; "sac" (latent); "td3" (residual_step); "rfc" (chain); "fql" (one_step)
+# ChunkScoreConfig: read by chain/ppo, latent/ppo, residual/ppo, chain/rfc, gaussian/ppo
+log_prob_reduce: str = "sum"  # "sum" (the exact joint log-prob), "mean" (over steps), "mean_dim" (per dim)
+critic_input: str = "obs"  # V reads "obs" (the window) or "velocity_features" (the velocity net's features) [toolkit: critic_velocity]
+detach_critic_input: bool = True  # velocity_features: the value loss does not reach the velocity net [toolkit: critic_velocity_grad]
+# PPOConfig: read by chain/ppo, latent/ppo, residual/ppo, residual_step/ppo, chain/rfc, gaussian/ppo
+update_epochs: int = 8  # passes over the rollout per update
+policy_epochs: int = 0  # epochs of each update that train the policy (0: all); the value fits all
+minibatch_size: int = 2048  # decisions per gradient step
+micro_batch_size: int = 0  # rows per forward/backward pass in a minibatch (gradient accumulation); 0: all
+advantage: str = "gae"  # gae / mc / nstep / grpo / branch (ESTIMATORS) [toolkit: adv_*]
+gae_lambda: float = 0.95  # GAE's lambda (advantage "gae")
+n_step: int = 5  # decisions, for advantage "nstep" [toolkit: adv_nstep]
+group_size: int = 2  # envs per GRPO group (same env seed); num_envs a multiple [toolkit: adv_grpo]
+branches: int = 1  # chains tried per decision from one env state (advantage "branch"; physx_cpu)
+clip_coef: float = 0.2  # the ratio's clip, 1 +- clip_coef (Schulman et al. 2017, Eq. 7)
+dual_clip: float = 0.0  # c > 1 caps the loss of negative-advantage samples at -c A; 0: off [toolkit: dual_clip_3]
+value_clip: float = 0.0  # > 0: V clipped to the rollout's values +- this (PPO2); 0: unclipped [toolkit: value_clip_0.2, huber_value_clip]
+huber_delta: float = 0.0  # > 0: Huber value loss with this delta; 0: squared [toolkit: huber_value_clip]
+ent_coef: float = 0.01  # weight of the entropy bonus
+vf_coef: float = 0.5  # weight of the value loss
+actor_optimizer: str = "adam"  # "adam", or "sgd": steps along the (norm-clipped) gradient itself
+target_kl: float = 0.1  # approx KL past which an update stops early (0: never)
+kl_stop: str = "policy"  # past target_kl: "all" ends the update, "policy" keeps fitting the value
+adv_norm: str = "batch"  # advantages standardised over the whole batch, per "minibatch", or "off" [toolkit: adv_norm_minibatch, adv_norm_off]
+flip_advantages: bool = False  # a control: PPO ascends -A, so a method that learns must get worse
+ratio_mode: str = "joint"  # "joint" (one-layer MDP) or "per_step" (two-layer: a ratio per step) [toolkit: ratio_per_step]
+reward_scaling: bool = False  # rewards / running std of the discounted return (ReinFlow's, DPPO's)
+# RFCMaskConfig: read by chain/ppo, latent/ppo, chain/rfc
+rfc_mask: str = "advantage_positive"  # the decisions reflowed: success_only / advantage_positive / advantage_topk [toolkit: rfc_<mask>_<lambda>]
+rfc_topk: float = 0.25  # advantage_topk: the share of live decisions kept
+# RFCLossConfig: read by chain/ppo, latent/ppo
+rfc_lambda: float = 0.0  # weight of the masked reflow loss in PPO's loss (0: off; RLinf's 0.05) [toolkit: rfc_<mask>_<lambda>]
+# LatentConfig: read by latent/ppo, latent/sac
+latent_bound: float = 2.5  # the bound on |mu(o)| per dim of x_0
+latent_hidden_dims: list[int] = [256, 256]  # mu's MLP
 
 # %%
 cfg = config.from_globals(stage3.SteeringConfig, globals())
@@ -237,3 +287,8 @@ tracker.summary(summary)
 tracker.finish()
 print(f"success_once {before['success_once']:.2f} -> {after['success_once']:.2f} after {out['env_steps']} env steps "
       f"({out['train_time_s']:.0f}s); policy share of an env step {overheads[0]['overhead_fraction']:.2f}")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+paired = metrics.paired_means({"before": before["per_episode_success_once"], "after": after["per_episode_success_once"]})[1]
+print(f"a gain beyond 2 SE, paired on the same {paired['episodes']} episodes: {paired['diff'] > 2 * paired['diff_se']}")

@@ -27,7 +27,7 @@ def random_episodes(n=3, T=30, seed=0):
 
 
 def tiny_cfg(**kw):
-    base = dict(down_dims=[8, 16], emb_dim=8, train_steps=20, batch_size=16, warmup_steps=2, ckpt_every=10,
+    base = dict(env_id="PickCube-v1", velocity_net="unet", max_episode_steps=100, eval_every=0, down_dims=[8, 16], emb_dim=8, train_steps=20, batch_size=16, warmup_steps=2, ckpt_every=10,
                 log_every=1, num_eval_episodes=1, num_envs=1)
     return bc.ShortCutBCConfig(**{**base, **kw})
 

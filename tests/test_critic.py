@@ -192,7 +192,7 @@ def test_episodes_round_trip_through_maniskill_trajectory_files(tmp_path):
 def test_aw_checkpoint_holds_policy_and_critic_for_stage_3(tmp_path):
     eps = two_outcome_data(6)
     dataset = ChunkDataset(eps, 2, 8)
-    cfg = bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8, pred_horizon=8, act_horizon=4, train_steps=3,
+    cfg = bc.ShortCutBCConfig(env_id="PickCube-v1", velocity_net="unet", down_dims=[8, 16], emb_dim=8, pred_horizon=8, act_horizon=4, train_steps=3,
                               batch_size=8, warmup_steps=1, ckpt_every=3, log_every=1)
     stage1, _ = bc.train(cfg, dataset, tmp_path / "s1")
     critic = critics.build_critic("iql", stage1.meta, dataset.obs_normalizer, dataset.action_normalizer, [8])
@@ -261,7 +261,7 @@ def test_stage2_goes_on_from_the_weights_start_net_names(tmp_path, start_net):
     """Stage 1 scores (and saves as best) its EMA; ``start_net="ema"`` fine-tunes that policy, ``"raw"`` the live net
     behind it.  At a vanishing lr one step leaves the net where it started, so it must equal the chosen weights."""
     dataset = ChunkDataset(two_outcome_data(6), 2, 8)
-    cfg1 = bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8, pred_horizon=8, act_horizon=4, train_steps=5,
+    cfg1 = bc.ShortCutBCConfig(env_id="PickCube-v1", velocity_net="unet", down_dims=[8, 16], emb_dim=8, pred_horizon=8, act_horizon=4, train_steps=5,
                                batch_size=8, warmup_steps=1, ckpt_every=5, log_every=1)
     bc.train(cfg1, dataset, tmp_path / "s1")
     stage1 = bc.load_policy(tmp_path / "s1" / "last.pt")

@@ -112,6 +112,6 @@ def test_the_steering_benchmark_stops_with_a_clear_message_when_the_policy_never
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "outputs"))
     policy, _ = tiny_policy()
     path = tmp_path / "stage1.pt"
-    bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
+    bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(env_id="PickCube-v1", velocity_net="unet", down_dims=[8, 16], emb_dim=8), {})
     with pytest.raises(SystemExit, match="no carry state .* in 1 x 2 episodes"):
         _benchmark().main([str(path), "--num-envs", "2", "--max-batches", "1", "--max-decisions", "2"])

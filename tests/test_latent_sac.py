@@ -138,7 +138,7 @@ def test_the_config_refuses_sac_without_a_latent_policy_and_bad_sac_values():
 def test_sac_runs_in_a_real_pickcube_env_and_resumes_with_its_replay(tmp_path):
     policy, _ = tiny_policy()
     path = tmp_path / "stage1.pt"
-    bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
+    bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(env_id="PickCube-v1", velocity_net="unet", down_dims=[8, 16], emb_dim=8), {})
     per_iter = 3 * 2 * 8  # 2 envs x 3 decisions x 8 actions
     cfg = stage3.Stage3Config(init_checkpoint=str(path), num_inference_steps=4, rollout_steps=3, max_episode_steps=20,
                                   total_env_steps=2 * per_iter, critic_warmup_steps=per_iter, replay_batch_size=4,

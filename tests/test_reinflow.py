@@ -38,7 +38,7 @@ def tiny_policy(seed=0, obs_emb_dim=0):
                            rng.uniform(-1, 1, size=(T, ACT_DIM)).astype(np.float32), np.zeros(T, np.float32),
                            f, f.copy(), f.copy()))
     dataset = ChunkDataset(eps, 2, 16)
-    cfg = bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8, obs_emb_dim=obs_emb_dim)
+    cfg = bc.ShortCutBCConfig(env_id="PickCube-v1", velocity_net="unet", down_dims=[8, 16], emb_dim=8, obs_emb_dim=obs_emb_dim)
     return bc.build_policy(bc.policy_meta(cfg, dataset, "pd_ee_delta_pos"), dataset.obs_normalizer,
                            dataset.action_normalizer), dataset
 
@@ -271,11 +271,11 @@ def test_freezing_an_obs_encoder_that_is_not_there_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="needs a velocity net with an obs_encoder.*obs_emb_dim > 0"):
         stage3.make_agent(tiny_policy()[0], cfg)
     path = tmp_path / "stage1.pt"  # and before a run starts, from its start checkpoint
-    bc.save_checkpoint(path, tiny_policy()[0], None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
+    bc.save_checkpoint(path, tiny_policy()[0], None, None, 0, bc.ShortCutBCConfig(env_id="PickCube-v1", velocity_net="unet", down_dims=[8, 16], emb_dim=8), {})
     problem = stage3.start_problem(dataclasses.replace(cfg, init_checkpoint=str(path)))
     assert "has no obs_encoder" in problem and "-p obs_emb_dim=64" in problem
     with_encoder = tmp_path / "stage1_enc.pt"
-    bc.save_checkpoint(with_encoder, tiny_policy(obs_emb_dim=8)[0], None, None, 0, bc.ShortCutBCConfig(), {})
+    bc.save_checkpoint(with_encoder, tiny_policy(obs_emb_dim=8)[0], None, None, 0, bc.ShortCutBCConfig(env_id="PickCube-v1", velocity_net="unet"), {})
     assert stage3.start_problem(dataclasses.replace(cfg, init_checkpoint=str(with_encoder))) == ""
     with pytest.raises(ValueError, match="steer 'latent' with learner 'ppo' does not read freeze_obs_encoder .ChainConfig"):
         stage3.Stage3Config(steer="latent", freeze_obs_encoder=True)
@@ -404,7 +404,7 @@ def _fine_tune(tmp_path, monkeypatch, options):
     frozen = options.get("freeze_obs_encoder", False)
     policy, dataset = tiny_policy(obs_emb_dim=8 if frozen else 0)
     path = tmp_path / "stage1.pt"
-    bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
+    bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(env_id="PickCube-v1", velocity_net="unet", down_dims=[8, 16], emb_dim=8), {})
     # GRPO runs one 20-step episode per env per iteration: ceil(20 / 4) = 5 decisions of 4 actions
     Ta = options.get("act_horizon", 8)
     per_iter = (3 if Ta == 8 else 5) * 2 * Ta * options.get("branches", 1)  # every branch's env steps count
@@ -513,7 +513,7 @@ def test_the_policy_throughput_benchmark_has_a_row_per_k_and_batch(tmp_path, mon
     """Env steps served = batch x Ta per chain."""
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "outputs"))
     path = tmp_path / "stage1.pt"
-    bc.save_checkpoint(path, tiny_policy()[0], None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
+    bc.save_checkpoint(path, tiny_policy()[0], None, None, 0, bc.ShortCutBCConfig(env_id="PickCube-v1", velocity_net="unet", down_dims=[8, 16], emb_dim=8), {})
     rows = load_benchmark("policy_throughput").main(["--checkpoint", str(path), "--batch", "2", "4",
                                                      "--K", "2", "4", "--repeats", "1"])
     assert [(r["K"], r["batch"]) for r in rows] == [(2, 2), (2, 4), (4, 2), (4, 4)]

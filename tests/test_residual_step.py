@@ -332,7 +332,7 @@ def gradient_snr_of(run: Path, monkeypatch, tmp_path) -> dict:
 def test_td3_runs_in_a_real_pickcube_env_and_its_transitions_chain_step_to_step(tmp_path, monkeypatch):
     policy, _ = tiny_policy()
     path = tmp_path / "stage1.pt"
-    bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
+    bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(env_id="PickCube-v1", velocity_net="unet", down_dims=[8, 16], emb_dim=8), {})
     per_iter = 3 * 8 * 2  # 2 envs x 3 chunks x 8 steps
     cfg = stage3.Stage3Config(init_checkpoint=str(path), num_inference_steps=4, rollout_steps=3, max_episode_steps=20,
                                   total_env_steps=2 * per_iter, critic_warmup_steps=per_iter, replay_batch_size=8,
@@ -415,7 +415,7 @@ def test_the_update_speed_benchmark_times_each_adam_on_a_params_files_agent(tmp_
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "outputs"))
     policy, _ = tiny_policy()
     path = tmp_path / "stage1.pt"
-    bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
+    bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(env_id="PickCube-v1", velocity_net="unet", down_dims=[8, 16], emb_dim=8), {})
     params = tmp_path / "td3.yaml"
     params.write_text("\n".join(f"{k}: {v}" for k, v in {**TD3, "init_checkpoint": str(path), "replay_batch_size": 8,
                                                           "replay_updates_per_decision": 0.5, "total_env_steps": 4000}.items()))
@@ -626,7 +626,7 @@ def test_ppo_moves_the_per_step_mean_towards_the_correction_that_pays_and_leaves
 def test_ppo_on_the_per_step_residual_runs_in_a_real_pickcube_env_every_step_a_decision(tmp_path, monkeypatch):
     policy, _ = tiny_policy()
     path = tmp_path / "stage1.pt"
-    bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
+    bc.save_checkpoint(path, policy, None, None, 0, bc.ShortCutBCConfig(env_id="PickCube-v1", velocity_net="unet", down_dims=[8, 16], emb_dim=8), {})
     per_iter = 3 * 8 * 2  # 2 envs x 3 chunks x 8 steps
     cfg = stage3.Stage3Config(init_checkpoint=str(path), num_inference_steps=4, rollout_steps=3,
                                   max_episode_steps=20, total_env_steps=2 * per_iter, critic_warmup_steps=per_iter,

@@ -122,7 +122,7 @@ def test_a_job_the_start_checkpoint_cannot_run_is_known_at_plan_time_and_never_s
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path / "out"))
     start = tmp_path / "out" / "01_shortcut_bc" / "s1" / "best_model.pt"
     policy, _ = tiny_policy()
-    bc.save_checkpoint(start, policy, None, None, 0, bc.ShortCutBCConfig(down_dims=[8, 16], emb_dim=8), {})
+    bc.save_checkpoint(start, policy, None, None, 0, bc.ShortCutBCConfig(env_id="PickCube-v1", velocity_net="unet", down_dims=[8, 16], emb_dim=8), {})
     params = tmp_path / "params"
     params.mkdir()
     (params / "steps_K16.yaml").write_text("env_id: PickCube-v1\nnum_inference_steps: 16\n")

@@ -165,30 +165,43 @@ def train(cfg: Stage3Config, agent, env, run_path: Path, tracker=None) -> dict:
 
 @dataclass
 class SteeringConfig(Stage3Config):
-    """Notebook 06's parameters: ``Stage3Config`` with defaults for a short CPU run of the per-step residual learned
-    by TD3 (the method of the target run, ``params/06_steering/cpu.yaml``, at a fraction of its size)."""
+    """Notebook 06's parameters: ``Stage3Config`` with defaults for DSRL's x_0 steering by PPO (``steer: latent``) on
+    the fast task ``FastReach-v0`` from notebook 01's default clone, at ``params/06_steering/fast_push_dsrl.yaml``'s
+    settings for 30 iterations: half a minute on 2 CPU cores. The per-step residual's fields keep the settings of
+    its PickCube target run (``params/06_steering/cpu.yaml``)."""
 
-    steer: str = "residual_step"
-    learner: str = "td3"
-    reward: str = "dense"
+    env_id: str = "FastReach-v0"
+    num_envs: PositiveInt = 512
+    max_episode_steps: PositiveInt = 40
+    steer: str = "latent"
+    learner: str = "ppo"
+    reward: str = "sparse"
     num_inference_steps: PositiveInt = 4
     residual_bound: PositiveFloat = 0.2
     residual_gripper: bool = False
     residual_hidden_dims: list[PositiveInt] = dataclasses.field(default_factory=lambda: [64, 64])
-    value_hidden_dims: list[PositiveInt] = dataclasses.field(default_factory=lambda: [64, 64])
-    min_noise_std: PositiveFloat = 0.005
-    max_noise_std: PositiveFloat = 0.05
-    final_noise_std: PositiveFloat = 0.05
+    value_hidden_dims: list[PositiveInt] = dataclasses.field(default_factory=lambda: [256, 256])
+    min_noise_std: PositiveFloat = 0.05
+    max_noise_std: PositiveFloat = 1.0
+    final_noise_std: PositiveFloat = 1.0
     noise_schedule: str = "constant"
     replay_batch_size: PositiveInt = 64
     replay_updates_per_decision: PositiveFloat = 0.25
-    total_env_steps: PositiveInt = 1024
-    gamma: Fraction = 0.8
-    actor_lr: NonNegativeFloat = 1e-4
-    critic_lr: PositiveFloat = 3e-4
-    critic_warmup_steps: NonNegativeInt = 256
-    bench_num_envs: list[PositiveInt] = dataclasses.field(default_factory=lambda: [2])
-    bench_decisions: PositiveInt = 2
+    total_env_steps: PositiveInt = 1_228_800
+    rollout_steps: PositiveInt = 10
+    update_epochs: PositiveInt = 8
+    minibatch_size: PositiveInt = 2048
+    gamma: Fraction = 0.99
+    actor_lr: NonNegativeFloat = 3e-4
+    critic_lr: PositiveFloat = 1e-3
+    target_kl: NonNegativeFloat = 0.1
+    kl_stop: str = "policy"
+    critic_warmup_steps: NonNegativeInt = 81_920
+    eval_every: NonNegativeInt = 10
+    num_eval_episodes: PositiveInt = 512
+    ckpt_every: PositiveInt = 10
+    bench_num_envs: list[PositiveInt] = dataclasses.field(default_factory=lambda: [512])
+    bench_decisions: PositiveInt = 4
 
 
 @dataclass

@@ -67,16 +67,18 @@ ROLLOUT_SEED = 1_000_000  # env seeds of the stage-1 rollouts start here (demos 
 
 @dataclass
 class AWShortCutConfig:
-    """Parameters of notebook 02 (AW-ShortCut). Defaults are the small CPU run."""
+    """Parameters of notebook 02 (AW-ShortCut). Defaults are the small CPU run: FastReach, from notebook 01's default
+    clone, its 1,000 demos and 400 of its rollouts, every stage-2 method scored on 500 held-out episodes paired with
+    stage 1 (a minute or two on 2 cores); the ManiSkill and Meta-World runs are ``params/02_aw_shortcut/*.yaml``."""
 
     seed: NonNegativeInt = 0
     stage1_checkpoint: str = ""         # relative to outputs/; "" means 01_shortcut_bc/default/best_model.pt
-    env_id: str = "PickCube-v1"
-    num_demos: PositiveInt = 20
+    env_id: str = "FastReach-v0"
+    num_demos: PositiveInt = 1000
     demo_file: str = ""  # an existing ManiSkill .h5 (state, pd_ee_delta_pos); "" means generate
     # data with contrast: stage-1 rollouts per exploration-noise level (std of N(0, s^2) on actions in [-1, 1])
-    rollout_episodes: PositiveInt = 6  # stage-1 rollouts per noise level, added to the demos
-    rollout_noise_stds: list[NonNegativeFloat] = field(default_factory=lambda: [0.0, 0.3])  # action-noise std of each rollout batch (actions lie in [-1, 1])
+    rollout_episodes: PositiveInt = 200  # stage-1 rollouts per noise level, added to the demos
+    rollout_noise_stds: list[NonNegativeFloat] = field(default_factory=lambda: [0.0, 0.1])  # action-noise std of each rollout batch (actions lie in [-1, 1])
     rollout_inference_steps: PositiveInt = 4  # K of the stage-1 policy during the rollouts
     rollout_checkpoint: str = ""  # a checkpoint whose policy collects the rollouts in place of stage 1's, e.g. a steering run's last.pt: RFC after steering (empty: stage 1)
     # critic
@@ -85,41 +87,41 @@ class AWShortCutConfig:
     gamma: Fraction = 0.99  # discount per env step
     expectile: Fraction = 0.7  # IQL's expectile tau for V (0.5 is the mean)
     target_polyak: Fraction = 0.005  # rate of the target critic's soft update
-    critic_hidden_dims: list[PositiveInt] = field(default_factory=lambda: [128, 128])  # hidden widths of the Q and V nets
+    critic_hidden_dims: list[PositiveInt] = field(default_factory=lambda: [256, 256])  # hidden widths of the Q and V nets
     critic_lr: PositiveFloat = 3e-4  # the critic's learning rate
     critic_steps: PositiveInt = 1000  # critic gradient steps
-    critic_batch_size: PositiveInt = 256  # transitions per critic step
+    critic_batch_size: PositiveInt = 512  # transitions per critic step
     holdout_fraction: Fraction = 0.25  # share of episodes held out to score the critic
     # advantage weights
-    beta: PositiveFloat = 5.0  # inverse temperature of the weights exp(beta A)
+    beta: PositiveFloat = 10.0  # inverse temperature of the weights exp(beta A)
     max_weight: PositiveFloat = 20.0  # weights clipped at this value
     weighting: str = "exp"              # "exp" (clipped) or "softmax" (per batch of the whole dataset)
     # the same data, other offline methods: RFC's masks (filtered BC) and FQL (a one-step policy against Q)
     rfc_masks: list[str] = field(default_factory=lambda: list(RFC_MASKS))  # one RFC run per mask and training seed ([]: none)
     rfc_topk: Fraction = 0.25  # advantage_topk: the share of windows kept
-    fql_offline_steps: NonNegativeInt = 200  # FQL's offline updates on the same data, per training seed (0: no FQL row)
+    fql_offline_steps: NonNegativeInt = 500  # FQL's offline updates on the same data, per training seed (0: no FQL row)
     fql_alpha: PositiveFloat = 10.0  # FQL's distillation weight against the normalised -Q
     fql_hidden_dims: list[PositiveInt] = field(default_factory=lambda: [256, 256, 256])  # FQL's one-step policy MLP
     # AW-ShortCut training (one run per training seed)
     start_net: str = "ema"  # the stage-1 weights training goes on from: "ema" (the policy stage 1 scored) or "raw" (its live net)
     flow_episodes: str = "uncut"  # the flow trains on episodes "uncut" (as recorded) or "cut" at the first success (as the critic)
     train_seeds: list[NonNegativeInt] = field(default_factory=lambda: [0])  # one AW-ShortCut training run per seed
-    train_steps: PositiveInt = 200
-    batch_size: PositiveInt = 128
-    lr: PositiveFloat = 3e-4
+    train_steps: PositiveInt = 500
+    batch_size: PositiveInt = 512
+    lr: PositiveFloat = 1e-4
     weight_decay: NonNegativeFloat = 1e-6
-    warmup_steps: NonNegativeInt = 20
-    ckpt_every: PositiveInt = 100
+    warmup_steps: NonNegativeInt = 50
+    ckpt_every: PositiveInt = 250
     keep_every: NonNegativeInt = 0      # also keep step_<N>.pt every keep_every steps (0: none)
     log_every: PositiveInt = 25
     eval_every: NonNegativeInt = 0  # evaluate every this many steps (0 means only at the end)
     select_inference_steps: PositiveInt = 4  # K whose success_once picks best_model.pt
     eval_inference_steps: list[PositiveInt] = field(default_factory=lambda: [4])
-    num_eval_episodes: PositiveInt = 4
+    num_eval_episodes: PositiveInt = 500
     val_seed: NonNegativeInt = 10_000   # periodic evaluations (best_model.pt); as in notebook 01
     eval_seed: NonNegativeInt = 20_000  # the stage-1 vs stage-2 comparison; held out from demos and rollouts
-    num_envs: PositiveInt = 2
-    max_episode_steps: PositiveInt = 100
+    num_envs: PositiveInt = 500
+    max_episode_steps: PositiveInt = 40
     backend: str = "auto"
     num_threads: NonNegativeInt = 1
     resume: bool = True
