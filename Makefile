@@ -75,15 +75,12 @@ strip: install
 
 # JupyterLab on the repository; notebooks/*.py open as notebooks (jupytext), outputs kept in the paired .ipynb.
 # Its runs write outputs/<notebook>/lab unless they name a run (FLOWLIB_RUN_KIND=lab; make demo keeps default); saving
-# strips what make strip strips, so an unchanged notebook stays as committed; a kernel idle for 30 minutes is shut
-# down (closing a tab leaves its kernel running): flowlib/infra/lab.py.
+# strips what make strip strips, so an unchanged notebook stays as committed; closing a notebook's tab shuts its kernel
+# down, and a kernel idle for 30 minutes is shut down too (flowlib/infra/lab.py writes the lab's settings).
 LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings
 lab: install
-	@mkdir -p $(LAB_SETTINGS)
-	@echo '{"@jupyterlab/docmanager-extension:plugin": {"defaultViewers": {"python": "Jupytext Notebook"}}}' \
-		> $(LAB_SETTINGS)/overrides.json
 	FLOWLIB_RUN_KIND=lab $(VENV)/bin/jupyter lab --notebook-dir=. $$([ "$$(id -u)" = 0 ] && echo --allow-root) \
-		$$($(PY) -m flowlib.infra.lab) notebooks/00_flows_2d.py
+		$$($(PY) -m flowlib.infra.lab $(LAB_SETTINGS)) notebooks/00_flows_2d.py
 
 # The notebooks (reference outputs) as HTML pages under outputs/html/, equations rendered offline.
 html: install
