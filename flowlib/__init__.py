@@ -9,7 +9,7 @@ envs      tasks, maniskill (make_env), metaworld_envs, fast_envs, fast_avoid, fa
           visual_demos, data, smdp
 policies  encoders, chunk_policy, policy_eval, bc (stage 1), critic, awsc (stage 2)
 rl        advantages, ppo, buffers, loop, learners, asymmetric
-methods   reinflow_agent, reinflow, steering, latent, latent_sac, residual, residual_step, residual_td3,
+methods   chain_score, reinflow_agent, reinflow, steering, latent, latent_sac, residual, residual_step, residual_td3,
           residual_step_ppo, gaussian, rfc, fql, registry, stage3
 tools     run, evaluate, results, verdicts, seeds, sweep, sweep_report, export, bench, pirl
 

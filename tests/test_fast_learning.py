@@ -23,8 +23,8 @@ def test_chain_ppo_lifts_a_cloned_policy_and_the_flipped_control_lowers_it(tmp_p
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(tmp_path))
     dataset = ChunkDataset(load_demos(generate_demos("FastReach-v0", 500)), 2, 16)
     bc_cfg = bc.ShortCutBCConfig(env_id="FastReach-v0", velocity_net="mlp", mlp_dims=[256, 256], emb_dim=16,
-                                 train_steps=1200, batch_size=256, warmup_steps=50, ckpt_every=1200, num_envs=256,
-                                 max_episode_steps=40)
+                                 train_steps=1200, batch_size=256, warmup_steps=50, ckpt_every=1200, eval_every=0,
+                                 num_eval_episodes=4, num_envs=256, max_episode_steps=40)
     with make_env("FastReach-v0", 256, max_episode_steps=40) as env:
         policy, _ = bc.train(bc_cfg, dataset, tmp_path / "01_shortcut_bc" / "start", env=env)
         start = bc.evaluate(policy, env, EPISODES, 4, seed=50_000)

@@ -80,9 +80,9 @@ def test_a_reset_after_a_demo_gives_the_observation_of_a_fresh_env(env_id, demos
 def test_stage1_then_two_iterations_of_the_target_recipe_run_on_the_task(env_id, demos, tmp_path, monkeypatch):
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(demo_path(env_id, 3).parents[2]))
     steps = 20
-    cfg = bc.ShortCutBCConfig(env_id=env_id, num_demos=3, down_dims=[8, 16], emb_dim=8, train_steps=4, batch_size=16,
-                              warmup_steps=1, ckpt_every=4, num_eval_episodes=1, num_envs=1, max_episode_steps=steps,
-                              eval_inference_steps=[2])
+    cfg = bc.ShortCutBCConfig(env_id=env_id, num_demos=3, velocity_net="unet", down_dims=[8, 16], emb_dim=8, train_steps=4,
+                              batch_size=16, warmup_steps=1, ckpt_every=4, eval_every=0, num_eval_episodes=1, num_envs=1,
+                              max_episode_steps=steps, eval_inference_steps=[2])
     start = tmp_path / "01_shortcut_bc" / "tiny"
     with make_env(env_id, 1, max_episode_steps=steps, backend="physx_cpu") as env:
         policy, _ = bc.train(cfg, ChunkDataset(load_demos(demos[env_id]), 2, 16), start, env=env)
@@ -123,8 +123,8 @@ def test_each_of_the_seeds_methods_runs_two_iterations_on_a_maniskill_task(metho
     env_id = "PushCube-v1"
     monkeypatch.setenv("FLOWLIB_OUTPUTS", str(demo_path(env_id, 3).parents[2]))  # where the start's demos are cached
     steps, per_iter = 20, 2 * 8  # 1 env x 2 chunks x 8 steps
-    cfg = bc.ShortCutBCConfig(env_id=env_id, num_demos=3, down_dims=[8, 16], emb_dim=8, train_steps=4, batch_size=16,
-                              warmup_steps=1, ckpt_every=4, eval_every=0, num_eval_episodes=1, num_envs=1,
+    cfg = bc.ShortCutBCConfig(env_id=env_id, num_demos=3, velocity_net="unet", down_dims=[8, 16], emb_dim=8, train_steps=4,
+                              batch_size=16, warmup_steps=1, ckpt_every=4, eval_every=0, num_eval_episodes=1, num_envs=1,
                               max_episode_steps=steps, eval_inference_steps=[2])
     start, run = tmp_path / "01_shortcut_bc" / "tiny", tmp_path / "06_steering" / method
     with make_env(env_id, 1, max_episode_steps=steps, backend="physx_cpu") as env:

@@ -342,7 +342,8 @@ def test_a_visual_env_reports_the_simulators_state_as_a_state_env_observes_it_an
 def test_a_visual_stage_1_run_trains_evaluates_and_reloads_then_stage_3_fine_tunes_it_with_the_encoder_frozen(
         rendered, tmp_path):
     data = visual_demos.VisualChunkDataset(rendered[1]["rgb"], 2, 16)
-    cfg = bc.ShortCutBCConfig(obs_mode="rgb", camera_size=32, obs_emb_dim=16, down_dims=[8, 16], emb_dim=8,
+    cfg = bc.ShortCutBCConfig(env_id="PickCube-v1", velocity_net="unet", obs_mode="rgb", camera_size=32, obs_emb_dim=16,
+                              down_dims=[8, 16], emb_dim=8,
                               train_steps=30, batch_size=16, warmup_steps=2, ckpt_every=30, log_every=5,
                               eval_every=30, num_eval_episodes=1, num_envs=1, max_episode_steps=10)
     tracker = Tracker(tmp_path / "bc")

@@ -1,5 +1,6 @@
 """methods: one module per stage-3 method, and the registry that names them (imports the layers below).
 
+    chain_score     what the chain's log-prob scores: the dims of each step, how the steps reduce (ReinFlow Eq. 5)
     reinflow_agent  the noisy denoising chain as a policy, for every noise method (exact log-probs)
     reinflow        chain ReinFlow: ChainConfig, its rollouts (collect, branches), Monte-Carlo values
     steering        what every steer of a frozen flow is made of: the frozen flow's chain plus a small head

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from flowlib._moved import moved_names
-from flowlib.flows.distributions import gaussian_entropy, gaussian_log_prob
+from flowlib.flows.distributions import gaussian_entropy
 from flowlib.flows.flow_sde import (
     LEARNED_NOISE,
     check_method,
@@ -40,30 +40,9 @@ from flowlib.flows.flow_sde import (
 )
 from flowlib.flows.models import time_grid
 from flowlib.flows.nets import ExploreNoiseNet, NoisyVelocityUNet1D, mlp
+from flowlib.methods.chain_score import LOG_PROB_OVER, LOG_PROB_REDUCE, ChainScore  # noqa: F401  (re-exported)
 from flowlib.policies import chunk_policy
 from flowlib.rl.asymmetric import CriticStateNorm
-
-# Which dims of each transition enter the chain's log-prob (the ratio of PPO):
-#   "chunk":         all H x A dims at every step: the exact likelihood of the chain (ReinFlow Eq. 5).
-#   "executed_last": all dims at steps k < K-1, only the Ta executed actions at the last step.  Also exact for
-#                    the policy gradient: the non-executed dims of x_K reach nothing, so their score has zero
-#                    mean given the rest, and dropping it only removes variance.
-#   "executed":      the executed actions at every step.  Biased: at an intermediate step the U-Net feeds the
-#                    non-executed dims of x_k into the next step's executed dims, so how theta moves them is
-#                    part of the gradient, and this drops it.  Kept because the early stage-3 runs of docs/stage3.md
-#                    (params/03_reinflow/cpu*.yaml) used it.
-LOG_PROB_OVER = ("chunk", "executed_last", "executed")
-
-# How the scored step log-probs become the one log-prob of PPO's ratio:
-#   "sum":      the joint log-likelihood of the chain (ReinFlow Eq. 5): the exact importance ratio.
-#   "mean":     divided by the number of stochastic steps.
-#   "mean_dim": divided by the number of scored Gaussian dims (steps x dims, and x_0 when included), as
-#               ReinFlow's public code does (normalize_denoising_horizon and normalize_act_space_dimension).
-#               The ratio is then the geometric mean of the per-dim ratios; its clip (0.01 there, after DPPO)
-#               bounds the average per-dim move, while with "sum" a clip of 0.2 on a 100+-dim ratio allows
-#               ~0.002 per dim.  Under Adam the gradient's scale does not matter, only this trust region.
-LOG_PROB_REDUCE = ("sum", "mean", "mean_dim")
-
 
 # --------------------------------------------------------------------------- agent
 
@@ -119,33 +98,33 @@ class ReinFlowAgent(CriticStateNorm, chunk_policy.ChunkPolicy):
                  privileged_dim: int = 0):
         super().__init__()
         check_method(noise_method)
-        for name, value, allowed in (("log_prob_over", log_prob_over, LOG_PROB_OVER),
-                                     ("log_prob_reduce", log_prob_reduce, LOG_PROB_REDUCE),
-                                     ("critic_input", critic_input, ("obs", "velocity_features"))):
-            if value not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        if critic_input not in ("obs", "velocity_features"):
+            raise ValueError(f"critic_input must be one of ('obs', 'velocity_features'), got {critic_input!r}")
         if not obs_clip >= 0:
             raise ValueError(f"obs_clip must be >= 0 (0: no clipping), got {obs_clip}")
         if not 0 <= noise_corr < 1:
             raise ValueError(f"noise_corr must be in [0, 1) (0: independent noise per chunk step), got {noise_corr}")
         if not noise_clip >= 0:
             raise ValueError(f"noise_clip must be >= 0 (0: off; ReinFlow uses 3), got {noise_clip}")
-        self.obs_clip, self.noise_corr, self.noise_clip = float(obs_clip), float(noise_corr), float(noise_clip)
+        self.obs_clip, self.noise_clip = float(obs_clip), float(noise_clip)
         self.clip_chain_means = clip_chain_means
         meta = policy.meta
         flow = policy.flow
         flow.adopt_ema()  # the policy stage 1 scored
-        self.meta, self.K = meta, num_inference_steps
+        self.meta = meta
         self.obs_normalizer, self.action_normalizer = policy.obs_normalizer, policy.action_normalizer
         self.obs_horizon, self.pred_horizon = meta["obs_horizon"], meta["pred_horizon"]
         self.act_horizon = chunk_policy.check_act_horizon(act_horizon or meta["act_horizon"], self.obs_horizon, self.pred_horizon)
         self.action_dim, self.obs_dim = meta["action_dim"], meta["obs_dim"]
+        self.score = ChainScore(num_inference_steps, self.obs_horizon, self.act_horizon, self.pred_horizon,
+                                self.action_dim, log_prob_over, log_prob_reduce,
+                                include_initial_noise or noise_method == "flow_noise", float(noise_corr))
         visual = meta.get("obs_mode", "state") != "state"
         obs_in = meta["obs_emb_dim"] if visual else self.obs_horizon * self.obs_dim  # NoisyVelocityUNet1D.obs_input
         self.d = flow.jump(1.0 / num_inference_steps)  # rejects K beyond what the ShortCut net was trained for
         self.actor = NoisyVelocityUNet1D(flow.net, ExploreNoiseNet(obs_in, self.action_dim, min_noise_std,
                                                                    max_noise_std, hidden=noise_hidden), visual)
-        self.noise_method, self.hybrid, self.log_prob_reduce = noise_method, hybrid, log_prob_reduce
+        self.noise_method, self.hybrid = noise_method, hybrid
         self.register_buffer("noise_level", torch.tensor(float(noise_level)))
         self.noise_level_start, self.max_noise_std_start = float(noise_level), float(max_noise_std)
         self.eligible = stochastic_steps(noise_method, num_inference_steps)
@@ -158,8 +137,6 @@ class ReinFlowAgent(CriticStateNorm, chunk_policy.ChunkPolicy):
         self._init_critic_state(privileged_dim)
         value_in = privileged_dim or (obs_in if critic_input == "obs" else chunk_policy.features_dim(meta))
         self.value_net = mlp([value_in, *value_hidden_dims, 1], act=nn.Mish)
-        self.include_initial_noise = include_initial_noise or noise_method == "flow_noise"
-        self.log_prob_over = log_prob_over
         self.explore: torch.Generator | None = None  # set: act() samples the noisy chain with it (evaluate --noisy)
         if freeze_obs_encoder:
             if getattr(flow.net, "obs_encoder", None) is None:
@@ -168,42 +145,17 @@ class ReinFlowAgent(CriticStateNorm, chunk_policy.ChunkPolicy):
                                  "obs_emb_dim > 0 or set freeze_obs_encoder: false")
             flow.net.obs_encoder.requires_grad_(False)
 
-    def _executed(self, x: torch.Tensor) -> torch.Tensor:  # [P, H, A] -> [P, Ta, A]
-        start = self.obs_horizon - 1
-        return x[:, start:start + self.act_horizon]
+    @property
+    def K(self) -> int:  # the chain's denoising steps (the score's, so that both change together)
+        return self.score.K
 
-    def _step_log_prob(self, x_next, mean, std, k) -> torch.Tensor:  # [P, H, A] x3, step k (int or [P]) -> [P]
-        """``log N(x_{k+1}; mean, std^2)`` over the dims ``log_prob_over`` picks (see ``LOG_PROB_OVER``), with the
-        noise correlated along the chunk by ``noise_corr`` (a subset of an equicorrelated chunk keeps its ``rho``)."""
-        rho = self.noise_corr
+    @K.setter
+    def K(self, value: int) -> None:
+        self.score.K = value
 
-        def executed(rows=slice(None)):
-            return gaussian_log_prob(self._executed(x_next[rows]), self._executed(mean[rows]), self._executed(std[rows]), rho)
-
-        if self.log_prob_over == "executed":
-            return executed()
-        if self.log_prob_over == "executed_last" and isinstance(k, int):  # sampling: one step for the whole batch
-            return executed() if k == self.K - 1 else gaussian_log_prob(x_next, mean, std, rho)
-        lp = gaussian_log_prob(x_next, mean, std, rho)
-        if self.log_prob_over == "executed_last":  # re-scoring: (sample, step) pairs, some at the last step
-            last = k == self.K - 1
-            lp[last] = executed(last)
-        return lp
-
-    def _step_dims(self, device=None) -> torch.Tensor:  # [K]: Gaussian dims that step k scores
-        """How many dims ``_step_log_prob`` sums at each step (see ``LOG_PROB_OVER``)."""
-        every, executed = self.pred_horizon * self.action_dim, self.act_horizon * self.action_dim
-        dims = torch.full((self.K,), executed if self.log_prob_over == "executed" else every, device=device)
-        if self.log_prob_over == "executed_last":
-            dims[-1] = executed
-        return dims
-
-    def _scored_x0(self, x0: torch.Tensor) -> torch.Tensor:  # the dims of x_0 in the log-prob
-        return self._executed(x0) if self.log_prob_over == "executed" else x0
-
-    def _initial_log_prob(self, x0):
-        x0 = self._scored_x0(x0)
-        return gaussian_log_prob(x0, torch.zeros_like(x0), torch.ones_like(x0))
+    @property
+    def noise_corr(self) -> float:
+        return self.score.noise_corr
 
     # parameter groups
     def policy_parameters(self):  # what PPO moves: the velocity and noise nets, less a frozen obs_encoder
@@ -265,23 +217,8 @@ class ReinFlowAgent(CriticStateNorm, chunk_policy.ChunkPolicy):
         return full_mask(B, self.K, self.eligible)
 
     def joint_log_prob(self, step_log_probs: torch.Tensor, stochastic: torch.Tensor, chain: torch.Tensor):
-        """``[B, K]`` step log-probs -> ``[B]``: the sum over the stochastic steps, plus ``log N(x_0; 0, I)``
-        when the initial noise is included (it does not depend on the weights, so it cancels in the ratio
-        unless the terms are averaged); ``log_prob_reduce`` may divide it by the steps or the scored dims
-        (``LOG_PROB_REDUCE``)."""
-        stochastic = stochastic.to(step_log_probs.dtype)
-        terms = (step_log_probs * stochastic).sum(1)
-        if self.include_initial_noise:
-            terms = terms + self._initial_log_prob(chain[:, 0])
-        if self.log_prob_reduce == "sum":
-            return terms
-        if self.log_prob_reduce == "mean":
-            count = stochastic.sum(1) + int(self.include_initial_noise)
-        else:  # mean_dim
-            count = (stochastic * self._step_dims(stochastic.device)).sum(1)
-            if self.include_initial_noise:
-                count = count + self._scored_x0(chain[:1, 0]).numel()
-        return terms / count.clamp(min=1)
+        """``[B, K]`` step log-probs -> ``[B]`` (``ChainScore.joint``: ReinFlow Eq. 5 over the stochastic steps)."""
+        return self.score.joint(step_log_probs, stochastic, chain)
 
     @torch.no_grad()
     def sample(self, obs_window: torch.Tensor, generator: torch.Generator | None = None, deterministic: bool = False,
@@ -297,7 +234,7 @@ class ReinFlowAgent(CriticStateNorm, chunk_policy.ChunkPolicy):
         grid, d = self._grid(B, device)
         stochastic = torch.zeros(B, self.K, dtype=torch.bool) if deterministic else self.stochastic_mask(B, generator)
         chain, step_lp = sample_chain(lambda x, t: self.actor.base(x, t, d, o), x0, self.K, self.noise_method,
-                                      float(self.noise_level), stochastic, generator, log_prob_fn=self._step_log_prob,
+                                      float(self.noise_level), stochastic, generator, log_prob_fn=self.score.step,
                                       noise_std_fn=lambda t: self._noise_std(t, o), noise_corr=self.noise_corr,
                                       mean_bounds=self.mean_bounds(), noise_clip=self.noise_clip)
         stochastic = stochastic.to(device)
@@ -333,7 +270,7 @@ class ReinFlowAgent(CriticStateNorm, chunk_policy.ChunkPolicy):
         mean, std = transition(self.noise_method, x, velocity, t, 1.0 / K, float(self.noise_level), noise_std)
         mean = clamp_mean(mean, self.mean_bounds())
         std = torch.as_tensor(std, dtype=x.dtype, device=x.device).expand_as(x)
-        lp = self._step_log_prob(x_next, mean, std, k)                                              # [P]
+        lp = self.score.step(x_next, mean, std, k)                                                  # [P]
         # [P] (std is shared over H); noise_corr only adds a constant, left out so noise_std reads as sigma
         ent = gaussian_entropy(std)
         step_lp = torch.zeros(B, K, device=chain.device, dtype=lp.dtype).index_put((b, k), lp)
