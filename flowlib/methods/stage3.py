@@ -164,19 +164,36 @@ def train(cfg: Stage3Config, agent, env, run_path: Path, tracker=None) -> dict:
 
 
 @dataclass
-class SteeringConfig(Stage3Config):
-    """Notebook 06's parameters: ``Stage3Config`` with defaults for DSRL's x_0 steering by PPO (``steer: latent``) on
-    the fast task ``FastReach-v0`` from notebook 01's default clone, at ``params/06_steering/fast_push_dsrl.yaml``'s
-    settings for 30 iterations: half a minute on 2 CPU cores. The per-step residual's fields keep the settings of
-    its PickCube target run (``params/06_steering/cpu.yaml``)."""
+class FastReachRun(Stage3Config):
+    """The run size both stage-3 tutorials default to (notebooks 03 and 06): ``FastReach-v0``'s 40-step episodes in
+    512 envs, 10 decisions per env per iteration (5 chunks of 8 per episode), minibatches of 2,048, a critic at lr
+    1e-3 with two warm-up iterations, validation on 512 episodes and ``last.pt`` every 10 iterations."""
 
     env_id: str = "FastReach-v0"
     num_envs: PositiveInt = 512
     max_episode_steps: PositiveInt = 40
+    num_inference_steps: PositiveInt = 4
+    rollout_steps: PositiveInt = 10
+    minibatch_size: PositiveInt = 2048
+    critic_lr: PositiveFloat = 1e-3
+    critic_warmup_steps: NonNegativeInt = 81_920
+    eval_every: NonNegativeInt = 10
+    num_eval_episodes: PositiveInt = 512
+    ckpt_every: PositiveInt = 10
+    bench_num_envs: list[PositiveInt] = dataclasses.field(default_factory=lambda: [512])
+    bench_decisions: PositiveInt = 4
+
+
+@dataclass
+class SteeringConfig(FastReachRun):
+    """Notebook 06's parameters: ``Stage3Config`` with defaults for DSRL's x_0 steering by PPO (``steer: latent``) on
+    ``FastReachRun`` from notebook 01's default clone, at ``params/06_steering/fast_push_dsrl.yaml``'s settings for 30
+    iterations: half a minute on 2 CPU cores. The per-step residual's fields keep the settings of its PickCube target
+    run (``params/06_steering/cpu.yaml``)."""
+
     steer: str = "latent"
     learner: str = "ppo"
     reward: str = "sparse"
-    num_inference_steps: PositiveInt = 4
     residual_bound: PositiveFloat = 0.2
     residual_gripper: bool = False
     residual_hidden_dims: list[PositiveInt] = dataclasses.field(default_factory=lambda: [64, 64])
@@ -188,50 +205,28 @@ class SteeringConfig(Stage3Config):
     replay_batch_size: PositiveInt = 64
     replay_updates_per_decision: PositiveFloat = 0.25
     total_env_steps: PositiveInt = 1_228_800
-    rollout_steps: PositiveInt = 10
     update_epochs: PositiveInt = 8
-    minibatch_size: PositiveInt = 2048
     gamma: Fraction = 0.99
     actor_lr: NonNegativeFloat = 3e-4
-    critic_lr: PositiveFloat = 1e-3
     target_kl: NonNegativeFloat = 0.1
     kl_stop: str = "policy"
-    critic_warmup_steps: NonNegativeInt = 81_920
-    eval_every: NonNegativeInt = 10
-    num_eval_episodes: PositiveInt = 512
-    ckpt_every: PositiveInt = 10
-    bench_num_envs: list[PositiveInt] = dataclasses.field(default_factory=lambda: [512])
-    bench_decisions: PositiveInt = 4
 
 
 @dataclass
-class ChainPPOConfig(Stage3Config):
-    """Notebook 03's parameters: ``Stage3Config`` with defaults for chain PPO on the fast task ``FastReach-v0`` from
-    an MLP stage-1 start (``params/01_shortcut_bc/fast_reach_mlp.yaml``, made by the notebook when missing), at
-    a fifth of ``params/03_reinflow/fast_reach_mlp.yaml``'s env steps and half its envs: a minute on 2 CPU cores."""
+class ChainPPOConfig(FastReachRun):
+    """Notebook 03's parameters: ``Stage3Config`` with defaults for chain PPO on ``FastReachRun`` from an MLP stage-1
+    start (``params/01_shortcut_bc/fast_reach_mlp.yaml``, made by the notebook when missing), at a fifth of
+    ``params/03_reinflow/fast_reach_mlp.yaml``'s env steps and half its envs: a minute on 2 CPU cores."""
 
     init_checkpoint: str = "01_shortcut_bc/fast_reach_mlp/best_model.pt"
-    env_id: str = "FastReach-v0"
-    num_envs: PositiveInt = 512
-    max_episode_steps: PositiveInt = 40
-    num_inference_steps: PositiveInt = 4
     log_prob_over: str = "executed_last"
     max_noise_std: PositiveFloat = 0.1
     final_noise_std: PositiveFloat = 0.04
     min_noise_std: PositiveFloat = 0.02
     noise_decay_steps: NonNegativeInt = 10_000_000
     total_env_steps: PositiveInt = 2_457_600
-    rollout_steps: PositiveInt = 10
     update_epochs: PositiveInt = 5
-    minibatch_size: PositiveInt = 2048
     actor_lr: NonNegativeFloat = 1e-4
-    critic_lr: PositiveFloat = 1e-3
     target_kl: NonNegativeFloat = 0.05
-    critic_warmup_steps: NonNegativeInt = 81_920
-    eval_every: NonNegativeInt = 10
-    num_eval_episodes: PositiveInt = 512
-    ckpt_every: PositiveInt = 10
-    bench_num_envs: list[PositiveInt] = dataclasses.field(default_factory=lambda: [512])
-    bench_decisions: PositiveInt = 4
     num_threads: NonNegativeInt = 0
     run_control: bool = True  # also train the flipped-advantage control, same budget and start (it must get worse)
