@@ -66,3 +66,40 @@ def test_opening_and_saving_notebooks_through_the_server_leaves_git_status_clean
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_the_lab_serves_make_labs_settings_closing_a_tab_ends_its_kernel(tmp_path):
+    """JupyterLab reads ``make lab``'s settings (``flowlib.infra.lab.write_settings``) as its defaults: the server
+    hands the browser a notebook tracker whose ``kernelShutdown`` (close a tab, end its kernel) is on, and ``.py``
+    files opening as notebooks. From an empty settings folder the same server says off (the test can fail)."""
+    from flowlib.infra.lab import LAB_SETTINGS, write_settings
+
+    def served(settings_dir: Path) -> dict:  # JupyterLab's settings as its server hands them to the browser
+        port, token = _free_port(), "flowlib-test"
+        server = subprocess.Popen([sys.executable, "-m", "jupyter", "server", "--no-browser", f"--port={port}",
+                                   f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp_path}",
+                                   "--allow-root", f"--LabApp.app_settings_dir={settings_dir}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            out = {}
+            for plugin in LAB_SETTINGS:
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/lab/api/settings/{plugin}",
+                                             headers={"Authorization": f"token {token}"})
+                for _ in range(120):
+                    try:
+                        with urllib.request.urlopen(req, timeout=60) as r:
+                            out[plugin] = json.loads(r.read())["schema"]["properties"]
+                        break
+                    except OSError:
+                        time.sleep(0.5)
+            return out
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+
+    tracker, viewer = "@jupyterlab/notebook-extension:tracker", "@jupyterlab/docmanager-extension:plugin"
+    with_settings = served(write_settings(tmp_path / "settings").parent)
+    assert with_settings[tracker]["kernelShutdown"]["default"] is True
+    assert with_settings[viewer]["defaultViewers"]["default"] == {"python": "Jupytext Notebook"}
+    (tmp_path / "none").mkdir()
+    assert served(tmp_path / "none")[tracker]["kernelShutdown"]["default"] is False
