@@ -24,8 +24,8 @@
 #
 # | task | start | after chain ReinFlow | record |
 # |---|---|---|---|
-# | FastReach-v0 (torch, 2 min of CPU) | 0.521 | **0.994-0.998**, 3 seeds | [fast tasks](../docs/fast_tasks.md) |
-# | FastPush-v0 (torch, contact) | 0.672 | **0.988-0.991**, 3 seeds | [fast tasks](../docs/fast_tasks.md) |
+# | FastReach-v0 (torch, 1 min of CPU) | 0.487 | **0.986-0.993**, 3 seeds | [fast tasks](../docs/fast_tasks.md), [data](../results/fast_tasks/fast_reach_mlp/) |
+# | FastPush-v0 (torch, contact) | 0.672 | **0.984-0.990**, 3 seeds | [fast tasks](../docs/fast_tasks.md), [data](../results/fast_tasks/fast_push_mlp/) |
 # | Meta-World pick-place / assembly (MuJoCo, CPU) | 0.620 / 0.580 | **0.930-0.970** / **0.980-0.990**, 3 seeds each | [Meta-World](../docs/results/metaworld.md), [data](../results/metaworld/) |
 # | PickCube-v1, CPU scale | ~0.6 | no gain in ~50 runs | [why](../docs/explanations/cpu_scale.md) |
 #
@@ -294,9 +294,9 @@ print(f"success_once {gain['mean'] - gain['diff']:.3f} -> {gain['mean']:.3f} ({g
 # | task, size | params | machine | result |
 # |---|---|---|---|
 # | FastReach, this notebook's defaults | none | CPU, 1-2 min | above |
-# | FastReach, the official batch (10k decisions per update) | `params/03_reinflow/fast_reach_mlp.yaml` | CPU, ~2 min of training | 0.521 -> 0.996 over 3 seeds ([record](../docs/fast_tasks.md)) |
+# | FastReach, the official batch (10k decisions per update) | `params/03_reinflow/fast_reach_mlp.yaml` | CPU, ~1 min of training | 0.487 -> 0.986-0.993 over 3 seeds ([record](../results/fast_tasks/fast_reach_mlp/)) |
 # | FastReach, 256 to 16k decisions per update | `params/03_reinflow/sample_size/` | CPU, 4-20 min each | 1.000 to 0.678 at 2.46M env steps ([curve](../docs/fast_tasks.md)) |
-# | FastPush, the contact task, 10k decisions per update | `params/03_reinflow/fast_push_mlp.yaml` | CPU, ~8 min of training | 0.672 -> 0.988-0.991 over 3 seeds ([record](../docs/fast_tasks.md)) |
+# | FastPush, the contact task, 10k decisions per update | `params/03_reinflow/fast_push_mlp.yaml` | CPU, ~4-8 min of training | 0.672 -> 0.984-0.990 over 3 seeds ([record](../results/fast_tasks/fast_push_mlp/)) |
 # | either task, the official ReinFlow recipe | `params/03_reinflow/recipe/` | CPU, 6-10 min | about 4x fewer env steps, slower per CPU second ([recipes](../docs/fast_tasks.md)) |
 # | Meta-World pick-place, assembly, peg-insert-side | `params/03_reinflow/metaworld_*.yaml` | CPU, 8-38 min each | see the table above ([record](../docs/results/metaworld.md)) |
 # | PickCube-v1 at CPU scale (256 decisions per update) | `params/03_reinflow/cpu_dense.yaml` | CPU, 10-60 min | no gain ([what we know](../docs/explanations/cpu_scale.md)) |
