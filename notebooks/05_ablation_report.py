@@ -29,8 +29,9 @@
 # * **cost**: seconds per PPO iteration (rollout + update).
 #
 # With the default `sweep_dir = ""` the notebook first runs a two-setting smoke sweep of notebook
-# 03's short CPU run, so that it always has real runs to read; point `sweep_dir` at a real sweep
-# (e.g. `03_reinflow/ablations`) for the study itself.
+# 03 (`params/03_reinflow/smoke/`: chain PPO from notebook 01's default FastReach clone, 4 short iterations each, about
+# 10 s), so that it always has real runs to read; point `sweep_dir` at a real sweep (e.g. `03_reinflow/ablations`,
+# or `03_reinflow/toolkit` with `params/05_ablation_report/toolkit.yaml`) for the study itself.
 #
 # **Verdicts.** The runs' own before/after numbers are each on the run's evaluation episodes. To say whether a
 # setting *helps*, its checkpoints and the baseline's are scored together on the same held-out episodes
