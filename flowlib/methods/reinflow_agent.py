@@ -294,9 +294,7 @@ class ReinFlowAgent(CriticStateNorm, chunk_policy.ChunkPolicy):
 
     def actions(self, chain: torch.Tensor) -> torch.Tensor:
         """Executed actions in env units: ``x_K[To-1 : To-1+Ta]`` unnormalised, clipped to [-1, 1]."""
-        start = self.obs_horizon - 1
-        x = chain[:, -1, start:start + self.act_horizon]
-        return self.action_normalizer.unnormalize(x).clamp(-1.0, 1.0)
+        return self.action_normalizer.unnormalize(self.score.executed(chain[:, -1])).clamp(-1.0, 1.0)
 
     def set_inference_steps(self, K: int) -> None:
         """Run the chain at ``K`` denoising steps from now on (evaluation): the fine-tuned ShortCut velocity net

@@ -189,15 +189,13 @@ class SteeringConfig(FastReachRun):
     """Notebook 06's parameters: ``Stage3Config`` with defaults for DSRL's x_0 steering by PPO (``steer: latent``) on
     ``FastReachRun`` from notebook 01's default clone, at ``params/06_steering/fast_push_dsrl.yaml``'s settings for 30
     iterations: half a minute on 2 CPU cores. The per-step residual's fields keep the settings of its PickCube target
-    run (``params/06_steering/cpu.yaml``)."""
+    run (``params/06_steering/cpu.yaml``); learner ``ppo``, the sparse reward, gamma 0.99 and V's [256, 256] are
+    ``Stage3Config``'s own."""
 
     steer: str = "latent"
-    learner: str = "ppo"
-    reward: str = "sparse"
     residual_bound: PositiveFloat = 0.2
     residual_gripper: bool = False
     residual_hidden_dims: list[PositiveInt] = dataclasses.field(default_factory=lambda: [64, 64])
-    value_hidden_dims: list[PositiveInt] = dataclasses.field(default_factory=lambda: [256, 256])
     min_noise_std: PositiveFloat = 0.05
     max_noise_std: PositiveFloat = 1.0
     final_noise_std: PositiveFloat = 1.0
@@ -206,7 +204,6 @@ class SteeringConfig(FastReachRun):
     replay_updates_per_decision: PositiveFloat = 0.25
     total_env_steps: PositiveInt = 1_228_800
     update_epochs: PositiveInt = 8
-    gamma: Fraction = 0.99
     actor_lr: NonNegativeFloat = 3e-4
     target_kl: NonNegativeFloat = 0.1
     kl_stop: str = "policy"
