@@ -165,7 +165,7 @@ print(f"ratio == 1 before any update: {bool((ratio - 1).abs().max() < 1e-4)}")
 
 # %%
 demo = copy.deepcopy(agent)
-learner = stage3.method(cfg).learner(demo, cfg)
+learner = stage3.make_learner(demo, cfg)
 learner.build_optimizers()
 runner = loop.learning_runner(cfg, env, demo.obs_horizon, first_seed=cfg.train_seed)
 learner.start(runner, torch.Generator().manual_seed(cfg.seed))

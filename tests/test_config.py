@@ -12,7 +12,9 @@ import pytest
 from flowlib.flows.toy2d import Flows2DConfig
 from flowlib.infra.config import ConfigError, from_globals, from_yaml, parse_yaml, validate
 from flowlib.infra.runs import REPO_ROOT
+from flowlib.methods.registry import METHODS, MethodChoice, method_options
 from flowlib.methods.stage3 import Stage3Config, checkpoint_config
+from flowlib.rl.loop import RunConfig
 from flowlib.policies.bc import ShortCutBCConfig
 from flowlib.tools import run
 from flowlib.tools.run import NOTEBOOK_CONFIGS, config_class, main, resolve_parameters
@@ -176,6 +178,21 @@ def test_each_method_takes_its_own_fields_and_the_shared_ones():
     # a field of another method is refused, naming the method that reads it
     with pytest.raises(ConfigError, match="td3_n_step"):
         validate(Stage3Config, {"ent_coef": 0.05, "td3_n_step": 3})
+
+
+@pytest.mark.parametrize("pair", list(METHODS), ids="/".join)
+def test_a_methods_builders_get_its_own_options_and_nothing_of_another_methods(pair):
+    steer, learner = pair
+    values = {"steer": steer, "learner": learner, **({"reward": "sparse"} if learner == "fql" else {})}
+    cfg = validate(Stage3Config, values)
+    options = method_options(cfg)
+    own = {f.name for cls in (RunConfig, MethodChoice, *METHODS[pair].configs) for f in dataclasses.fields(cls)}
+    assert {f.name for f in dataclasses.fields(options)} == own
+    assert all(getattr(options, name) == getattr(cfg, name) for name in own)
+    other = sorted({f.name for f in dataclasses.fields(Stage3Config)} - own)
+    assert other, f"{pair} reads every group"
+    with pytest.raises(AttributeError):  # an option of another method is not there to be read by mistake
+        getattr(options, other[0])
 
 
 def test_a_checkpoints_config_drops_what_its_method_ignores_but_an_override_may_not_set_it():

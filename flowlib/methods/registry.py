@@ -19,6 +19,7 @@ builds, loads and trains the agent of a ``Stage3Config``.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Callable, ClassVar
@@ -170,6 +171,24 @@ class Stage3Config(AsymmetricConfig, FQLConfig, RFCLossConfig, RFCConfig, RFCMas
 
 def method(cfg: Stage3Config) -> Method:
     return METHODS[(cfg.steer, cfg.learner)]
+
+
+def _config_class(steer_learner: tuple[str, str], m: Method) -> type:
+    """The dataclass of one method's own options: its config groups over ``MethodChoice`` and ``RunConfig``."""
+    name = "".join(part.title() for part in "_".join(steer_learner).split("_")) + "Options"  # ChainPpoOptions
+    return dataclasses.make_dataclass(name, [], bases=(*reversed(m.configs), MethodChoice, RunConfig),
+                                      namespace={"__doc__": f"{'/'.join(steer_learner)}: {m.summary}"})
+
+
+METHOD_OPTIONS: dict[tuple[str, str], type] = {pair: _config_class(pair, m) for pair, m in METHODS.items()}
+
+
+def method_options(cfg: Stage3Config):
+    """``cfg`` as its method's own dataclass (``METHOD_OPTIONS``): the run's fields, the method choice and the groups
+    the method reads, nothing else.  The builders get this, so a method that read an option it does not declare in
+    ``METHODS`` would fail there (an ``AttributeError``), not run on another method's default."""
+    cls = METHOD_OPTIONS[(cfg.steer, cfg.learner)]
+    return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
 
 
 def parameter_groups(steer_learner: tuple[str, str] | None = None) -> list[tuple[str, list[str]]]:

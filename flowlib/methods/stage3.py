@@ -15,12 +15,14 @@ from flowlib.infra.config import Fraction, NonNegativeFloat, NonNegativeInt, Pos
 from flowlib.infra.runs import policy_checkpoint
 from flowlib.methods.registry import (  # noqa: F401
     METHOD_CONFIGS,
+    METHOD_OPTIONS,
     METHODS,
     VISUAL_METHODS,
     Method,
     MethodChoice,
     Stage3Config,  # stage3.<name>, as before the move
     method,
+    method_options,
     parameter_groups,
 )
 from flowlib.policies import chunk_policy
@@ -74,11 +76,12 @@ def visual_problem(cfg: Stage3Config, meta: dict, path) -> str:
 
 
 def make_agent(policy, cfg: Stage3Config, state_dim: int = 0):
-    """The agent of ``cfg``'s method over a stage-1/2 ``policy``; ``state_dim``: the env's state width
-    (``EnvSpec.state_dim``), which an asymmetric critic reads (``flowlib.rl.asymmetric``)."""
+    """The agent of ``cfg``'s method over a stage-1/2 ``policy``, built from the method's own options
+    (``method_options``); ``state_dim``: the env's state width (``EnvSpec.state_dim``), which an asymmetric critic
+    reads (``flowlib.rl.asymmetric``)."""
     if AsymmetricConfig in method(cfg).configs:
-        return method(cfg).agent(policy, cfg, state_dim)
-    return method(cfg).agent(policy, cfg)
+        return method(cfg).agent(policy, method_options(cfg), state_dim)
+    return method(cfg).agent(policy, method_options(cfg))
 
 
 def build_agent(cfg: Stage3Config, path: Path, spec=None) -> tuple:
@@ -89,7 +92,7 @@ def build_agent(cfg: Stage3Config, path: Path, spec=None) -> tuple:
     if visual_problem(cfg, policy.meta, path):
         raise ValueError(visual_problem(cfg, policy.meta, path))
     agent = make_agent(policy, cfg, getattr(spec, "state_dim", 0))
-    method(cfg).prepare(agent, cfg, path)
+    method(cfg).prepare(agent, method_options(cfg), path)
     how = "fresh"
     # steer "residual_step" learns Q(o, a_b, r) (TD3) or V(o, a_b) (PPO), not the window's V of a stage-2 critic
     # (and an asymmetric V reads the simulator's state, not the window)
@@ -154,8 +157,8 @@ def load_for_rollouts(path: str | Path, overrides: dict | None = None, max_noise
 
 
 def make_learner(agent, cfg: Stage3Config):
-    """The learner (``flowlib.rl.learners``) of ``cfg``'s method for ``agent``."""
-    return method(cfg).learner(agent, cfg)
+    """The learner (``flowlib.rl.learners``) of ``cfg``'s method for ``agent``, built from the method's own options."""
+    return method(cfg).learner(agent, method_options(cfg))
 
 
 def train(cfg: Stage3Config, agent, env, run_path: Path, tracker=None) -> dict:

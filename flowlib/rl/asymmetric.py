@@ -44,8 +44,9 @@ def asymmetric_problem(cfg, meta: dict) -> str:
 
 def privileged_width(cfg, meta: dict, state_dim: int) -> int:
     """``P``, the state width an agent's critic reads: ``state_dim`` (``EnvSpec.state_dim``) with
-    ``cfg.asymmetric_critic``, else 0; refuses a state start and a missing width by name."""
-    if not cfg.asymmetric_critic:
+    ``cfg.asymmetric_critic``, else 0 (also for a method whose options have no ``AsymmetricConfig``: chain/rfc builds
+    the chain's agent); refuses a state start and a missing width by name."""
+    if not getattr(cfg, "asymmetric_critic", False):
         return 0
     if asymmetric_problem(cfg, meta):
         raise ValueError(asymmetric_problem(cfg, meta))
