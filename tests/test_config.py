@@ -2,6 +2,7 @@
 a kernel starts, and every params/ file."""
 import dataclasses
 import math
+import pickle
 import re
 import typing
 from pathlib import Path
@@ -189,6 +190,7 @@ def test_a_methods_builders_get_its_own_options_and_nothing_of_another_methods(p
     own = {f.name for cls in (RunConfig, MethodChoice, *METHODS[pair].configs) for f in dataclasses.fields(cls)}
     assert {f.name for f in dataclasses.fields(options)} == own
     assert all(getattr(options, name) == getattr(cfg, name) for name in own)
+    assert pickle.loads(pickle.dumps(options)) == options  # a Ray worker or a spawned process can be handed it
     other = sorted({f.name for f in dataclasses.fields(Stage3Config)} - own)
     assert other, f"{pair} reads every group"
     with pytest.raises(AttributeError):  # an option of another method is not there to be read by mistake

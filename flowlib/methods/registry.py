@@ -177,10 +177,12 @@ def _config_class(steer_learner: tuple[str, str], m: Method) -> type:
     """The dataclass of one method's own options: its config groups over ``MethodChoice`` and ``RunConfig``."""
     name = "".join(part.title() for part in "_".join(steer_learner).split("_")) + "Options"  # ChainPpoOptions
     return dataclasses.make_dataclass(name, [], bases=(*reversed(m.configs), MethodChoice, RunConfig),
-                                      namespace={"__doc__": f"{'/'.join(steer_learner)}: {m.summary}"})
+                                      namespace={"__doc__": f"{'/'.join(steer_learner)}: {m.summary}",
+                                                 "__module__": __name__})
 
 
 METHOD_OPTIONS: dict[tuple[str, str], type] = {pair: _config_class(pair, m) for pair, m in METHODS.items()}
+globals().update({cls.__name__: cls for cls in METHOD_OPTIONS.values()})  # importable by name, so an instance pickles
 
 
 def method_options(cfg: Stage3Config):
