@@ -15,7 +15,6 @@ from flowlib.infra.config import Fraction, NonNegativeFloat, NonNegativeInt, Pos
 from flowlib.infra.runs import policy_checkpoint
 from flowlib.methods.registry import (  # noqa: F401
     METHOD_CONFIGS,
-    METHOD_OPTIONS,
     METHODS,
     VISUAL_METHODS,
     Method,
@@ -79,9 +78,8 @@ def make_agent(policy, cfg: Stage3Config, state_dim: int = 0):
     """The agent of ``cfg``'s method over a stage-1/2 ``policy``, built from the method's own options
     (``method_options``); ``state_dim``: the env's state width (``EnvSpec.state_dim``), which an asymmetric critic
     reads (``flowlib.rl.asymmetric``)."""
-    if AsymmetricConfig in method(cfg).configs:
-        return method(cfg).agent(policy, method_options(cfg), state_dim)
-    return method(cfg).agent(policy, method_options(cfg))
+    m, options = method(cfg), method_options(cfg)
+    return m.agent(policy, options, state_dim) if AsymmetricConfig in m.configs else m.agent(policy, options)
 
 
 def build_agent(cfg: Stage3Config, path: Path, spec=None) -> tuple:
