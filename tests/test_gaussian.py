@@ -5,7 +5,7 @@ import torch
 from test_reinflow import tiny_policy
 
 from flowlib.methods import stage3
-from flowlib.methods.gaussian import GaussianChunkAgent
+from flowlib.methods.gaussian import GaussianChunkAgent, soft_clip
 from flowlib.rl import ppo
 
 
@@ -60,3 +60,20 @@ def test_the_registry_takes_the_gaussian_with_ppo_and_refuses_what_it_cannot_rea
         stage3.Stage3Config(steer="gaussian", critic_input="velocity_features")
     with pytest.raises(ValueError, match="does not read gaussian_bc_steps"):
         stage3.Stage3Config(steer="chain", gaussian_bc_steps=10)
+
+
+def test_a_bounded_mean_never_leaves_its_bound_and_is_the_unbounded_mean_well_inside_it():
+    """``gaussian_mean_bound``: mu = b tanh(mu_phi / b), so PPO cannot push the mean out of the action box (peg's drift)."""
+    agent, obs = gaussian_for(mean_bound=2.0)
+    free, _ = gaussian_for()
+    free.load_state_dict(agent.state_dict())
+    with torch.no_grad():
+        for p in agent.mean_net[-1].parameters():  # a mean far outside the box, as PPO left peg-insert-side's
+            p.mul_(1e3)
+        free.load_state_dict(agent.state_dict())
+        far_bounded, far_free = agent.mean(agent._norm_obs(obs)), free.mean(free._norm_obs(obs))
+    assert far_free.abs().max() > 20 and far_bounded.abs().max() <= 2.0
+    x = torch.linspace(-0.2, 0.2, 9)
+    assert torch.allclose(soft_clip(x, 2.0), x, atol=2e-3) and torch.equal(soft_clip(x, 0.0), x)
+    with pytest.raises(ValueError, match="gaussian_mean_bound must be >= 0"):
+        gaussian_for(mean_bound=-1.0)

@@ -1,7 +1,9 @@
 """Results as data (flowlib.tools.results): publish copies an evaluation and its runs' parameters into results/<record>/,
 refuses what is not an evaluation, and check re-derives every committed number from its per-episode file."""
+import gzip
 import json
 
+import pandas as pd
 import pytest
 
 from flowlib.tools import evaluate, results
@@ -40,8 +42,8 @@ def test_publish_copies_the_evaluation_the_runs_params_and_where_it_came_from(ro
     src, _ = fake_evaluation(outputs)
     assert results.main(["publish", str(src), "--as", "demo/pair"]) == 0
     dest = root / "demo" / "pair"
-    assert {p.name for p in dest.iterdir()} == {"results.csv", "per_episode.csv", "per_episode_return.csv",
-                                                "per_episode_flags.csv", "summary.json", "record.json", "params"}
+    assert {p.name for p in dest.iterdir()} == {"results.csv", "per_episode.csv", "per_episode_return.csv.gz",
+                                                "per_episode_flags.csv.gz", "summary.json", "record.json", "params"}
     assert sorted(p.name for p in (dest / "params").iterdir()) == ["start__best_model.pt.yaml",
                                                                    "tuned_s0__last.pt.yaml"]
     record = json.loads((dest / "record.json").read_text())
@@ -49,6 +51,20 @@ def test_publish_copies_the_evaluation_the_runs_params_and_where_it_came_from(ro
     assert results.check(root, repo=None) == []
     with pytest.raises(FileExistsError, match="--force"):
         results.publish(src, "demo/pair")
+
+
+def test_publish_gzips_the_other_per_episode_files_reproducibly_and_check_refuses_them_plain(roots):
+    outputs, root = roots
+    src, _ = fake_evaluation(outputs)
+    dest = results.publish(src, "demo/pair")
+    packed = (dest / "per_episode_return.csv.gz").read_bytes()
+    assert gzip.decompress(packed) == (src / "per_episode_return.csv").read_bytes()
+    assert pd.read_csv(dest / "per_episode_flags.csv.gz").equals(pd.read_csv(src / "per_episode_flags.csv"))
+    results.publish(src, "demo/pair", force=True)
+    assert (dest / "per_episode_return.csv.gz").read_bytes() == packed  # no time or name in the header
+    (dest / "per_episode_return.csv").write_bytes(gzip.decompress(packed))
+    [problem] = results.check(root, repo=None)
+    assert "per_episode_return.csv is not gzipped" in problem
 
 
 def test_publish_refuses_a_folder_that_is_not_an_evaluation_and_checkpoints_that_are_not_its_own(roots):

@@ -5,7 +5,10 @@ policy beside the diffusion / flow one, from the same demonstrations and with th
 
     a ~ pi_phi(. | o) = N(mu_phi(o), diag sigma^2),      mu_phi: MLP(obs window [To * O]) -> chunk [H, A]
 
-in the flow's normalised action space (the stage-1 checkpoint's normalisers), ``sigma`` one learned std per chunk
+in the flow's normalised action space (the stage-1 checkpoint's normalisers), optionally soft-clipped,
+``mu = b tanh(mu_phi / b)`` with ``b = gaussian_mean_bound`` (identity for ``|mu_phi| << b``; without it PPO can push
+the mean far outside the action box, where the executed actions' clamp leaves the reward flat and float32 rounding of
+``a - mu`` alone moves a log-prob: peg-insert-side, docs/results/metaworld.md), ``sigma`` one learned std per chunk
 dim, squashed into ``[min_noise_std, max_noise_std]`` (the stage-3 noise schedule moves the upper bound, as for the
 other steers).  Before RL, ``gaussian_bc`` fits ``mu_phi`` to the start checkpoint's own demonstrations by mean
 squared error (the Gaussian's maximum likelihood at a fixed ``sigma``); nothing of the flow is used but its data,
@@ -31,7 +34,7 @@ from flowlib.envs.maniskill import is_fast
 from flowlib.flows.distributions import gaussian_entropy, gaussian_log_prob
 from flowlib.flows.nets import mlp
 from flowlib.infra import progress
-from flowlib.infra.config import NonNegativeInt, PositiveInt
+from flowlib.infra.config import NonNegativeFloat, NonNegativeInt, PositiveInt
 from flowlib.methods.reinflow_agent import LOG_PROB_REDUCE
 from flowlib.policies import bc, chunk_policy
 
@@ -43,6 +46,7 @@ class GaussianConfig:
     gaussian_hidden_dims: list[PositiveInt] = dataclasses.field(default_factory=lambda: [256, 256, 256])  # mu's MLP
     gaussian_bc_steps: NonNegativeInt = 5000  # Adam steps of BC on the start's demos before RL (0: none)
     gaussian_bc_batch: PositiveInt = 512  # demo windows per BC step
+    gaussian_mean_bound: NonNegativeFloat = 0.0  # bound b of the mean, b tanh(mu_phi / b), in normalised units; 0: none
 
 
 class GaussianChunkAgent(chunk_policy.ChunkPolicy):
@@ -53,7 +57,8 @@ class GaussianChunkAgent(chunk_policy.ChunkPolicy):
 
     def __init__(self, policy, min_noise_std: float = 0.05, max_noise_std: float = 0.3,
                  value_hidden_dims: tuple[int, ...] = (256, 256), hidden_dims: tuple[int, ...] = (256, 256, 256),
-                 log_prob_reduce: str = "sum", act_horizon: int | None = 0, obs_clip: float = 5.0):
+                 log_prob_reduce: str = "sum", act_horizon: int | None = 0, obs_clip: float = 5.0,
+                 mean_bound: float = 0.0):
         super().__init__()
         if log_prob_reduce not in LOG_PROB_REDUCE:
             raise ValueError(f"log_prob_reduce must be one of {LOG_PROB_REDUCE}, got {log_prob_reduce!r}")
@@ -65,6 +70,9 @@ class GaussianChunkAgent(chunk_policy.ChunkPolicy):
         self.act_horizon = chunk_policy.check_act_horizon(act_horizon or meta["act_horizon"], self.obs_horizon, self.pred_horizon)
         self.action_dim, self.obs_dim = meta["action_dim"], meta["obs_dim"]
         self.log_prob_reduce, self.obs_clip = log_prob_reduce, float(obs_clip)
+        if mean_bound < 0:
+            raise ValueError(f"gaussian_mean_bound must be >= 0 (0: unbounded), got {mean_bound}")
+        self.mean_bound = float(mean_bound)
         obs_in, D = self.obs_horizon * self.obs_dim, self.pred_horizon * self.action_dim
         self.mean_net = mlp([obs_in, *hidden_dims, D], act=nn.Mish)
         self.std_logit = nn.Parameter(torch.full((D,), 3.0))  # sigma ~ 0.95 max_noise_std at the start
@@ -81,7 +89,7 @@ class GaussianChunkAgent(chunk_policy.ChunkPolicy):
         return o.clamp(-self.obs_clip, self.obs_clip) if self.obs_clip else o
 
     def mean(self, o: torch.Tensor) -> torch.Tensor:  # normalised [B, To, O] -> mu [B, H, A]
-        return self.mean_net(o.flatten(1)).view(len(o), self.pred_horizon, self.action_dim)
+        return soft_clip(self.mean_net(o.flatten(1)), self.mean_bound).view(len(o), self.pred_horizon, self.action_dim)
 
     def std(self) -> torch.Tensor:  # [H, A]
         lo, hi = self.std_range
@@ -161,26 +169,33 @@ class GaussianChunkAgent(chunk_policy.ChunkPolicy):
         return self.actions(self.sample(obs_window, deterministic=True)[0])
 
 
+def soft_clip(x: torch.Tensor, bound: float) -> torch.Tensor:
+    """``b tanh(x / b)``: ``x`` where ``|x| << b``, never beyond ``b``; ``x`` itself when ``bound`` is 0."""
+    return bound * torch.tanh(x / bound) if bound else x
+
+
 def gaussian_agent(policy, cfg) -> GaussianChunkAgent:
     """The Gaussian baseline's agent of ``cfg``, untrained (``gaussian_bc`` clones it before RL)."""
     return GaussianChunkAgent(policy, cfg.min_noise_std, cfg.max_noise_std, tuple(cfg.value_hidden_dims),
-                              tuple(cfg.gaussian_hidden_dims), cfg.log_prob_reduce, cfg.act_horizon, cfg.obs_clip)
+                              tuple(cfg.gaussian_hidden_dims), cfg.log_prob_reduce, cfg.act_horizon, cfg.obs_clip,
+                              cfg.gaussian_mean_bound)
 
 
 def gaussian_bc(agent: GaussianChunkAgent, cfg, start: Path) -> None:
     """Behaviour cloning of ``agent``'s mean on the demonstrations the stage-1 checkpoint ``start`` was trained on
     (its config's ``env_id``, ``num_demos`` and ``demo_file``): ``cfg.gaussian_bc_steps`` Adam steps (lr 1e-3,
-    batches of ``cfg.gaussian_bc_batch``) of ``|mu_phi(o) - a|^2`` over chunks normalised as the start's, from weights
+    batches of ``cfg.gaussian_bc_batch``) of ``|mu(o) - a|^2`` (the mean as the agent computes it, bounded or not) over chunks normalised as the start's, from weights
     seeded by ``cfg.seed``.  Kept per process, so a notebook that builds the start twice clones once."""
     if cfg.gaussian_bc_steps == 0:
         return
     state = _cloned_state(str(start), Path(start).stat().st_mtime, cfg.gaussian_bc_steps, cfg.gaussian_bc_batch,
-                          tuple(cfg.gaussian_hidden_dims), cfg.seed, agent.obs_clip)
+                          tuple(cfg.gaussian_hidden_dims), cfg.seed, agent.obs_clip, agent.mean_bound)
     agent.mean_net.load_state_dict(state)
 
 
 @functools.lru_cache(maxsize=4)
-def _cloned_state(start: str, mtime: float, steps: int, batch: int, hidden: tuple, seed: int, obs_clip: float) -> dict:
+def _cloned_state(start: str, mtime: float, steps: int, batch: int, hidden: tuple, seed: int, obs_clip: float,
+                  mean_bound: float) -> dict:
     episodes = bc.training_demos(start)
     policy = chunk_policy.load_policy(start)
     dataset = ChunkDataset(episodes, policy.obs_horizon, policy.pred_horizon,
@@ -192,7 +207,7 @@ def _cloned_state(start: str, mtime: float, steps: int, batch: int, hidden: tupl
     opt, gen = torch.optim.Adam(net.parameters(), lr=1e-3), torch.Generator().manual_seed(seed)
     for _ in progress.bar(steps, "Gaussian BC", unit="step", iterable=range(steps)):
         idx = torch.randint(len(obs), (batch,), generator=gen)
-        loss = (net(obs[idx]) - actions[idx].flatten(1)).pow(2).mean()
+        loss = (soft_clip(net(obs[idx]), mean_bound) - actions[idx].flatten(1)).pow(2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -8,8 +8,9 @@
 ``outputs/`` is git-ignored; ``results/`` is not.  A record is one evaluation (``flowlib.tools.evaluate``'s folder) and
 the runs it scored, copied so that a reader can re-derive every number a results page quotes from it:
 
-* ``results.csv``, ``per_episode.csv``, ``per_episode_return.csv`` (and ``per_episode_flags.csv``), ``summary.json``:
-  the evaluation as it was written;
+* ``results.csv``, ``per_episode.csv``, ``summary.json``: the evaluation as it was written;
+* ``per_episode_return.csv.gz`` (and ``per_episode_flags.csv.gz``): its other per-episode files, gzipped (they are
+  most of a record's bytes; ``pandas.read_csv`` and ``zcat`` read them as they are);
 * ``params/<run>.yaml``: the resolved parameters of each run whose checkpoint was scored (``<run>`` is the row's
   label, ``/`` read as ``__``);
 * ``record.json``: the command that made the evaluation, the commit and the machine it ran on (recorded by
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import gzip
 import json
 import re
 import shutil
@@ -52,7 +54,20 @@ from flowlib.tools.evaluate import labels
 RESULTS_ROOT = REPO_ROOT / "results"
 BUDGET_BYTES = 5 * 2**20  # the whole results/ folder: per-episode files are a few KB each
 EVALUATION_FILES = ("results.csv", "per_episode.csv", "summary.json")  # what makes a folder an evaluation
-OPTIONAL_FILES = ("per_episode_return.csv", "per_episode_flags.csv")
+OPTIONAL_FILES = ("per_episode_return.csv", "per_episode_flags.csv")  # committed gzipped, as <name>.gz
+
+
+def write_gzip(src: Path, dest: Path) -> None:
+    """``src`` gzipped to ``dest``, byte for byte the same for the same input (no name or time in the header), so
+    re-publishing an unchanged evaluation changes nothing in git."""
+    with open(dest, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as out:
+        out.write(src.read_bytes())
+
+
+def uncompressed(root: Path) -> list[str]:
+    """A line per optional per-episode file committed under ``root`` without its gzip (``check``)."""
+    return [f"{shown(p)} is not gzipped: publish writes it as {p.name}.gz (gzip -9n {shown(p)})"
+            for name in OPTIONAL_FILES for p in sorted(root.rglob(name))]
 
 
 def run_folder(checkpoint: Path) -> Path | None:
@@ -107,9 +122,11 @@ def publish(src: str | Path, record: str, checkpoints: list[str] | None = None, 
     if dest.exists():
         shutil.rmtree(dest)
     (dest / "params").mkdir(parents=True)
-    for name in (*EVALUATION_FILES, *OPTIONAL_FILES):
+    for name in EVALUATION_FILES:
+        shutil.copy2(src / name, dest / name)
+    for name in OPTIONAL_FILES:
         if (src / name).is_file():
-            shutil.copy2(src / name, dest / name)
+            write_gzip(src / name, dest / f"{name}.gz")
     runs = {}
     for path, label in labels(paths).items():
         folder = run_folder(Path(path))
@@ -291,6 +308,7 @@ def check(root: Path | None = None, repo: Path | None = REPO_ROOT) -> list[str]:
     size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.exists() else 0
     problems = [] if size <= BUDGET_BYTES else [f"{shown(root)} holds {size / 2**20:.1f} MiB, over its budget of "
                                                    f"{BUDGET_BYTES / 2**20:.0f} MiB: publish per-episode files only"]
+    problems += uncompressed(root) if root.exists() else []
     for record in records(root):
         problems += rederive(record)
     return problems + (stale_tables(repo, root) + readme_problems(repo, root) if repo is not None else [])
