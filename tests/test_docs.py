@@ -106,3 +106,45 @@ def test_every_equation_in_the_table_names_a_function_that_exists_and_its_notebo
         assert callable(obj), f"{name} is not a function or class"
         [path] = (REPO_ROOT / "notebooks").glob(f"{notebook}_*.py")
         assert f"`{name}`" in path.read_text(), f"{path.name} teaches the equation of {name} without naming it"
+
+
+RESULTS_PAGES = [p for p in sorted((REPO_ROOT / "docs" / "results").glob("*.md")) if p.name != "README.md"]
+GPU = re.compile(r"\b(H100|H200)")  # the kinds of GPU machine lent to this project (others are cited, not run)
+
+
+def machine_problems(page: Path, lent: str) -> list[str]:
+    """One truth per fact: ``page`` names its machines in a ``*Machines: ...*`` line within its first lines, names
+    there every GPU it reports on, and each of those GPUs is in ``lent`` (the results index's list of lent
+    machines); an undated 'no GPU was lent' is a claim some other page contradicts."""
+    text, name = page.read_text(), page.relative_to(REPO_ROOT) if page.is_relative_to(REPO_ROOT) else page
+    head = [line for line in text.splitlines()[:12] if line.startswith("*Machines:")]
+    if not head:
+        return [f"{name}: no '*Machines: ...*' line in its first 12 lines naming the machines its runs used"]
+    problems = [f"{name}: reports on an {g} that its Machines line does not name"
+                for g in sorted(set(GPU.findall(text)) - set(GPU.findall(head[0])))]
+    problems += [f"{name}: its Machines line names an {g} that docs/results/README.md's list of lent machines does not"
+                 for g in sorted(set(GPU.findall(head[0])) - set(GPU.findall(lent)))]
+    problems += [f"{name}: '{m.group(0)}...' says no GPU was ever lent; date it ('no GPU was lent on 2026-12-04')"
+                 for m in re.finditer(r"[Nn]o GPU (?:was|has been) lent(?!\s+on\s+\d{4}-\d\d-\d\d)", text)]
+    return problems
+
+
+@pytest.mark.parametrize("page", [*RESULTS_PAGES, REPO_ROOT / "docs" / "fast_tasks.md"],
+                         ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_every_results_page_names_its_machines_as_the_results_index_lists_them(page):
+    lent = (REPO_ROOT / "docs" / "results" / "README.md").read_text().partition("## Machines")[2]
+    assert lent, "docs/results/README.md has no '## Machines' section listing the machines lent"
+    assert machine_problems(page, lent) == []
+
+
+def test_a_page_that_hides_a_gpu_or_says_none_was_ever_lent_is_caught(tmp_path):
+    page = tmp_path / "docs" / "results" / "x.md"
+    page.parent.mkdir(parents=True)
+    page.write_text("# X\n\n*Machines: the 2-core CPU machine.*\n\nOn an H200 it took 3 s. No GPU was lent to this work.\n")
+    problems = machine_problems(page, "one H100")
+    assert any("H200 that its Machines line does not name" in p for p in problems)
+    assert any("says no GPU was ever lent" in p for p in problems)
+    page.write_text("# X\n\nno machines line\n")
+    assert "no '*Machines: ...*' line" in machine_problems(page, "")[0]
+    page.write_text("# X\n\n*Machines: the CPU machine; one lent H200.*\n\nOn an H200 it took 3 s.\n")
+    assert machine_problems(page, "one H200 on 2026-12-04") == []
