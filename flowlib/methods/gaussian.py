@@ -184,8 +184,9 @@ def gaussian_agent(policy, cfg) -> GaussianChunkAgent:
 def gaussian_bc(agent: GaussianChunkAgent, cfg, start: Path) -> None:
     """Behaviour cloning of ``agent``'s mean on the demonstrations the stage-1 checkpoint ``start`` was trained on
     (its config's ``env_id``, ``num_demos`` and ``demo_file``): ``cfg.gaussian_bc_steps`` Adam steps (lr 1e-3,
-    batches of ``cfg.gaussian_bc_batch``) of ``|mu(o) - a|^2`` (the mean as the agent computes it, bounded or not) over chunks normalised as the start's, from weights
-    seeded by ``cfg.seed``.  Kept per process, so a notebook that builds the start twice clones once."""
+    batches of ``cfg.gaussian_bc_batch``) of ``|mu(o) - a|^2`` (the mean as the agent computes it, bounded or not)
+    over chunks normalised as the start's, from weights seeded by ``cfg.seed``.  Kept per process, so a notebook that
+    builds the start twice clones once."""
     if cfg.gaussian_bc_steps == 0:
         return
     state = _cloned_state(str(start), Path(start).stat().st_mtime, cfg.gaussian_bc_steps, cfg.gaussian_bc_batch,

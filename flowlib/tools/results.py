@@ -308,7 +308,7 @@ def check(root: Path | None = None, repo: Path | None = REPO_ROOT) -> list[str]:
     size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.exists() else 0
     problems = [] if size <= BUDGET_BYTES else [f"{shown(root)} holds {size / 2**20:.1f} MiB, over its budget of "
                                                    f"{BUDGET_BYTES / 2**20:.0f} MiB: publish per-episode files only"]
-    problems += uncompressed(root) if root.exists() else []
+    problems += uncompressed(root)
     for record in records(root):
         problems += rederive(record)
     return problems + (stale_tables(repo, root) + readme_problems(repo, root) if repo is not None else [])
