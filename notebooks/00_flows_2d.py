@@ -176,7 +176,9 @@ for target in cfg.targets:
         rows.append(row)
 table = pd.DataFrame(rows).set_index(["target", "method"])
 table.columns = [f"{K} step" + ("s" if K > 1 else "") for K in cfg.eval_steps]
-table.to_csv(run_path / "sliced_wasserstein.csv")
+table.to_csv(run_path / "sliced_wasserstein.csv")  # python -m flowlib.results publish <run folder> commits it
+runs.save_json(run_path / "provenance.json", runs.provenance(f"python -m flowlib.run 00_flows_2d --params "
+                                                              f"{runs.shown(run_path / 'params.yaml')}"))
 table.round(3)
 
 # %% [markdown]

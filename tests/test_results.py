@@ -111,7 +111,7 @@ def test_a_marked_table_is_written_from_its_record_and_a_changed_digit_is_caught
     page = repo / "docs" / "page.md"
     page.write_text("Before.\n\n<!-- table: demo/pair -->\n| stale |\n<!-- end table -->\n\nAfter.\n")
     assert results.stale_tables(repo, root) == ["docs/page.md: the table of record demo/pair differs from "
-                                                "results/demo/pair/results.csv: run python -m flowlib.results tables"]
+                                                "its data in results/demo/pair/: run python -m flowlib.results tables"]
     assert results.write_tables(repo, root) == ["docs/page.md: demo/pair"]
     assert page.read_text() == f"Before.\n\n<!-- table: demo/pair -->\n{HAND_WRITTEN}<!-- end table -->\n\nAfter.\n"
     assert results.stale_tables(repo, root) == []
@@ -128,19 +128,22 @@ def test_a_readme_row_is_checked_against_the_records_it_links(roots, tmp_path):
     naming the line and the number); a row without data must say it is record only."""
     outputs, root = roots
     results.publish(fake_evaluation(outputs)[0], "demo/pair")  # successes 0.5 and 1.0, paired +0.5
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    header = "| stage · method | task | result | params | record |\n|---|---|---|---|---|\n"
     row = "| 3 · tuned | Demo | 0.50 -> **1.00** (+0.500) | `x.yaml` | [page](docs/p.md), [data](results/demo/) |\n"
-    (repo / "README.md").write_text(header + row)
-    assert results.readme_problems(repo, root) == []
-    (repo / "README.md").write_text(header + row.replace("**1.00**", "**0.99**"))
-    assert results.readme_problems(repo, root) == [
+    assert readme_problems(tmp_path, root, row) == []
+    assert readme_problems(tmp_path, root, row.replace("**1.00**", "**0.99**")) == [
         "README.md:3: 0.99 in the row '3 · tuned' is in none of results/demo/ (successes, SEs, paired differences)"]
-    (repo / "README.md").write_text(header + row.replace(", [data](results/demo/)", ""))
-    assert "links no results/ data and does not say 'record only'" in results.readme_problems(repo, root)[0]
-    (repo / "README.md").write_text(header + row.replace(", [data](results/demo/)", " · record only"))
-    assert results.readme_problems(repo, root) == []
+    assert "links no results/ data and does not say 'record only'" in readme_problems(
+        tmp_path, root, row.replace(", [data](results/demo/)", ""))[0]
+    assert readme_problems(tmp_path, root, row.replace(", [data](results/demo/)", " · record only")) == []
+
+
+def readme_problems(tmp_path, root, row):
+    """``results.readme_problems`` of a README holding the results table's header and ``row``."""
+    repo = tmp_path / "repo"
+    repo.mkdir(exist_ok=True)
+    header = "| stage · method | task | result | params | record |\n|---|---|---|---|---|\n"
+    (repo / "README.md").write_text(header + row)
+    return results.readme_problems(repo, root)
 
 
 def test_compare_pairs_a_policy_with_a_groups_mean_on_the_same_episodes(roots, tmp_path):
@@ -156,3 +159,51 @@ def test_compare_pairs_a_policy_with_a_groups_mean_on_the_same_episodes(roots, t
     (other / "per_episode.csv").write_text("env_seed,x\n1,1\n2,1\n3,0\n4,0\n")
     with pytest.raises(ValueError, match="did not run the same episodes"):
         results.compare(rec, "tuned*", other, "x")
+
+
+def fake_flows_2d_run(outputs, name="default"):
+    """Notebook 00's run folder: its sliced-Wasserstein table (as ``DataFrame.to_csv`` writes it), params and
+    provenance."""
+    run = outputs / "00_flows_2d" / name
+    run.mkdir(parents=True)
+    pd.DataFrame({"target": ["two_moons"] * 3, "method": ["data (floor)", "reflow", "shortcut"],
+                  "1 step": [0.031, 1.092, 0.107], "8 steps": [0.031, 0.123, 0.081]}).to_csv(
+        run / "sliced_wasserstein.csv", index=False)
+    (run / "params.yaml").write_text(f"seed: 0\nrun_name: {name}\n")
+    (run / "provenance.json").write_text(json.dumps({"command": "python -m flowlib.run 00_flows_2d", "commit": "abc123",
+                                                     "machine": "a CPU", "date": "2026-12-07 23:00 UTC"}))
+    return run
+
+
+def test_a_2d_flows_run_is_published_with_its_table_params_and_the_command_that_remakes_it(roots, tmp_path):
+    outputs, root = roots
+    dest = results.publish(fake_flows_2d_run(outputs), "stage0/default")
+    assert {p.name for p in dest.iterdir()} == {"sliced_wasserstein.csv", "params", "record.json"}
+    record = json.loads((dest / "record.json").read_text())
+    assert record["commit"] == "abc123" and record["machine"] == "a CPU"
+    assert record["command"].endswith("00_flows_2d --params " + str(dest / "params" / "default.yaml"))
+    assert results.check(root, repo=None) == []
+    assert results.table("stage0/default", root) == (
+        "| target | model | 1 step | 8 steps |\n|---|---|---|---|\n| two_moons | data (floor) | 0.031 | 0.031 |\n"
+        "| two_moons | reflow | 1.092 | 0.123 |\n| two_moons | shortcut | 0.107 | 0.081 |\n")
+    row = "| 0 · ShortCut vs ReFlow | 2D | sliced W 0.107 vs 1.092 | default | [data](results/stage0/) |\n"
+    assert readme_problems(tmp_path, root, row) == []
+    assert "1.093 in the row '0 · ShortCut vs ReFlow'" in readme_problems(tmp_path, root, row.replace("1.092", "1.093"))[0]
+
+
+def test_a_malformed_2d_table_is_refused_at_publish_and_caught_by_check(roots):
+    outputs, root = roots
+    run = fake_flows_2d_run(outputs)
+    table = run / "sliced_wasserstein.csv"
+    good = table.read_text()
+    table.write_text(good.replace("0.123", "nan"))
+    with pytest.raises(ValueError, match="two_moons / reflow has a distance that is not finite"):
+        results.publish(run, "stage0/default")
+    table.write_text(good)
+    dest = results.publish(run, "stage0/default")
+    (dest / "sliced_wasserstein.csv").write_text("\n".join(line for line in good.splitlines() if "floor" not in line))
+    assert results.check(root, repo=None) == [
+        f"{results.shown(dest / 'sliced_wasserstein.csv')}: target two_moons has no 'data (floor)' row"]
+    (run / "params.yaml").unlink()
+    with pytest.raises(FileNotFoundError, match="no params.yaml"):
+        results.publish(run, "stage0/other")

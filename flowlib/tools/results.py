@@ -17,6 +17,13 @@ the runs it scored, copied so that a reader can re-derive every number a results
   ``flowlib.tools.evaluate`` since 2026-12-06; for an older folder the command is rebuilt from its files and the commit
   is marked as not recorded), the checkpoints, and when the record was published.
 
+A **2D-flows record** holds notebook 00's table instead of an evaluation (``publish outputs/00_flows_2d/<run> --as
+stage0/<name>``): ``sliced_wasserstein.csv`` (target x model x number of steps, with the data's own floor),
+``params/<run>.yaml``, and ``record.json`` with the command that re-runs it from those params and the commit and
+machine the notebook recorded (``provenance.json``).  Its distances come from 4,000 samples per cell, too many to
+commit, so ``check`` holds the table to its shape (every cell finite and non-negative, a floor per target) rather
+than re-deriving it; re-running the command re-derives it.
+
 Checkpoints and metrics streams stay out: the whole folder keeps within ``BUDGET_BYTES`` (``check``).  ``check``
 also re-derives every record's success rates and paired differences from its per-episode file, so a
 ``results.csv`` cannot drift from the episodes it summarises.
@@ -55,6 +62,8 @@ RESULTS_ROOT = REPO_ROOT / "results"
 BUDGET_BYTES = 5 * 2**20  # the whole results/ folder: per-episode files are a few KB each
 EVALUATION_FILES = ("results.csv", "per_episode.csv", "summary.json")  # what makes a folder an evaluation
 OPTIONAL_FILES = ("per_episode_return.csv", "per_episode_flags.csv")  # committed gzipped, as <name>.gz
+FLOWS_2D_TABLE = "sliced_wasserstein.csv"  # notebook 00's table: what makes a run folder, and a record, 2D flows'
+FLOWS_2D_FLOOR = "data (floor)"  # the row of two independent reference sets, per target
 
 
 def write_gzip(src: Path, dest: Path) -> None:
@@ -95,21 +104,71 @@ def _check_checkpoints(src: Path, rows: list[dict], checkpoints: list[Path]) -> 
                          "evaluation's own checkpoints, in its order")
 
 
-def publish(src: str | Path, record: str, checkpoints: list[str] | None = None, force: bool = False) -> Path:
-    """Copy the evaluation folder ``src`` and its runs' parameters into ``results/<record>/`` (module docstring).
-    ``checkpoints``: the evaluated checkpoint paths, needed only for a folder written before ``flowlib.tools.evaluate``
-    recorded them."""
-    src = Path(src)
-    missing = [f for f in EVALUATION_FILES if not (src / f).is_file()]
-    if missing:
-        raise FileNotFoundError(f"{src} is not an evaluation folder (no {', '.join(missing)}): publish the folder "
-                                "python -m flowlib.evaluate wrote, outputs/evaluate/<run-name>")
+def destination(record: str, force: bool) -> Path:
+    """``results/<record>``, refusing a name that is not a plain relative path, and an existing record unless ``force``."""
     parts = Path(record).parts
     if not parts or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
         raise ValueError(f"--as must be a relative record name such as metaworld/pick_place, got {record!r}")
     dest = RESULTS_ROOT / record
     if dest.exists() and not force:
         raise FileExistsError(f"{shown(dest)} exists: publish under another name, or add --force to replace it")
+    return dest
+
+
+def publish_flows_2d(src: Path, record: str, force: bool = False) -> Path:
+    """Copy notebook 00's run folder ``src`` (its table, resolved params and provenance) into ``results/<record>/``."""
+    if not (src / "params.yaml").is_file():
+        raise FileNotFoundError(f"{shown(src)} has {FLOWS_2D_TABLE} but no params.yaml: publish the run folder "
+                                "notebook 00 wrote, outputs/00_flows_2d/<run_name>")
+    problems = flows_2d_problems(src / FLOWS_2D_TABLE)
+    if problems:
+        raise ValueError("; ".join(problems))
+    dest = destination(record, force)
+    if dest.exists():
+        shutil.rmtree(dest)
+    (dest / "params").mkdir(parents=True)
+    shutil.copy2(src / FLOWS_2D_TABLE, dest / FLOWS_2D_TABLE)
+    params = dest / "params" / f"{src.name}.yaml"
+    shutil.copy2(src / "params.yaml", params)
+    made = json.loads((src / "provenance.json").read_text()) if (src / "provenance.json").is_file() else {
+        "commit": "not recorded"}
+    save_json(dest / "record.json", {"record": record, "source": shown(src), **made,
+                                     "command": f"python -m flowlib.run 00_flows_2d --params {shown(params)}",
+                                     "published_at": git_commit()})
+    return dest
+
+
+def flows_2d_problems(path: Path) -> list[str]:
+    """What is wrong with notebook 00's table at ``path``: a cell that is not a finite, non-negative distance, or a
+    target without its data floor (``check``'s test of a 2D record, whose samples are not committed)."""
+    table_ = pd.read_csv(path)
+    steps = [c for c in table_ if c not in ("target", "method")]
+    problems = [] if {"target", "method"} <= set(table_) and steps else [
+        f"{shown(path)}: expected the columns target, method and one per number of steps, got {list(table_)}"]
+    if problems:
+        return problems
+    values = table_[steps].apply(pd.to_numeric, errors="coerce")
+    bad = table_[~(values.ge(0) & values.lt(float("inf"))).all(axis=1)]
+    problems += [f"{shown(path)}: {r.target} / {r.method} has a distance that is not finite and non-negative"
+                 for r in bad.itertuples()]
+    problems += [f"{shown(path)}: target {t} has no {FLOWS_2D_FLOOR!r} row"
+                 for t in table_["target"].unique() if not (table_["target"].eq(t) & table_["method"].eq(FLOWS_2D_FLOOR)).any()]
+    return problems
+
+
+def publish(src: str | Path, record: str, checkpoints: list[str] | None = None, force: bool = False) -> Path:
+    """Copy the evaluation folder ``src`` and its runs' parameters into ``results/<record>/`` (module docstring).
+    ``checkpoints``: the evaluated checkpoint paths, needed only for a folder written before ``flowlib.tools.evaluate``
+    recorded them."""
+    src = Path(src)
+    if (src / FLOWS_2D_TABLE).is_file():
+        return publish_flows_2d(src, record, force)
+    missing = [f for f in EVALUATION_FILES if not (src / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{src} is not an evaluation folder (no {', '.join(missing)}): publish the folder "
+                                "python -m flowlib.evaluate wrote, outputs/evaluate/<run-name>, or a notebook 00 run "
+                                f"folder (with its {FLOWS_2D_TABLE})")
+    dest = destination(record, force)
     summary = json.loads((src / "summary.json").read_text())
     rows = summary["rows"]
     recorded = summary.get("checkpoints")
@@ -149,7 +208,10 @@ def publish(src: str | Path, record: str, checkpoints: list[str] | None = None, 
 
 
 def rederive(record: Path) -> list[str]:
-    """Where ``record``'s ``results.csv`` differs from the rates and paired differences of its ``per_episode.csv``."""
+    """Where ``record``'s ``results.csv`` differs from the rates and paired differences of its ``per_episode.csv`` (a
+    2D-flows record: where its table is malformed, ``flows_2d_problems``)."""
+    if (record / FLOWS_2D_TABLE).is_file():
+        return flows_2d_problems(record / FLOWS_2D_TABLE)
     per_episode = pd.read_csv(record / "per_episode.csv").drop(columns="env_seed")
     derived = {r["policy"]: r for r in success_rates({c: per_episode[c].astype(bool).tolist() for c in per_episode})}
     problems = []
@@ -173,6 +235,8 @@ PAGES = ("README.md", "docs")  # where marked tables may be, relative to the rep
 def table(record: str, root: Path = RESULTS_ROOT) -> str:
     """The markdown table of ``record``'s ``results.csv``: each policy's success, its paired difference from the first
     row and its success at the episode's end, as the results pages print them (3 decimals, ``+-`` one SE)."""
+    if (root / record / FLOWS_2D_TABLE).is_file():
+        return flows_2d_table(root / record / FLOWS_2D_TABLE)
     path = root / record / "results.csv"
     if not path.is_file():
         raise FileNotFoundError(f"no record {record!r} under {shown(root)}: publish it with python -m flowlib.results "
@@ -182,6 +246,17 @@ def table(record: str, root: Path = RESULTS_ROOT) -> str:
     for i, r in enumerate(rows):
         diff = "(reference)" if i == 0 else f"{r['diff']:+.3f} +- {r['diff_se']:.3f}"
         lines.append(f"| `{r['policy']}` | {r['success']:.3f} +- {r['se']:.3f} | {diff} | {r['success_at_end']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def flows_2d_table(path: Path) -> str:
+    """Notebook 00's sliced-Wasserstein table as the results pages print it: a row per target and model, a column per
+    number of steps, 3 decimals."""
+    table_ = pd.read_csv(path)
+    steps = [c for c in table_ if c not in ("target", "method")]
+    lines = ["| target | model | " + " | ".join(steps) + " |", "|---|---|" + "---|" * len(steps)]
+    for r in table_.to_dict("records"):
+        lines.append(f"| {r['target']} | {r['method']} | " + " | ".join(f"{r[c]:.3f}" for c in steps) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -226,7 +301,7 @@ def stale_tables(repo: Path = REPO_ROOT, root: Path = RESULTS_ROOT) -> list[str]
         except FileNotFoundError as err:
             problems.append(f"{page.relative_to(repo)}: {err}")
             continue
-        problems += [f"{page.relative_to(repo)}: the table of record {r} differs from results/{r}/results.csv: run "
+        problems += [f"{page.relative_to(repo)}: the table of record {r} differs from its data in results/{r}/: run "
                      "python -m flowlib.results tables" for r in changed]
     return problems
 
@@ -243,6 +318,10 @@ def record_values(folder: Path) -> list[float]:
     (``*_once``: a grasp, a collision, a side passed)."""
     out = []
     for record in records(folder):
+        if (record / FLOWS_2D_TABLE).is_file():  # every distance of a 2D-flows table
+            table_ = pd.read_csv(record / FLOWS_2D_TABLE)
+            out += [float(v) for v in table_.drop(columns=["target", "method"]).to_numpy().ravel()]
+            continue
         table_ = pd.read_csv(record / "results.csv")
         keys = ["success", "se", "diff", "diff_se", "success_at_end", *[c for c in table_ if c.endswith("_once")]]
         out += [float(v) for key in keys for v in table_[key]]
