@@ -118,11 +118,12 @@ plt.show()
 # $(x, t, s)$ (`torch.func.jvp`). The right-hand side, with the conditional $v = x_1 - x_0$ and a
 # stop-gradient, is the regression target (`flowlib.flows.models.MeanFlow.target`). $(t, s)$ are drawn logit-normal; 75% of pairs have
 # $s = t$ (plain flow matching, no JVP needed), 25% a real jump; the squared error is weighted by
-# $1/(\|\text{err}\|^2 + \epsilon)^p$. Two details matter more than one would guess (measured while
-# building this notebook, two moons, 3000 steps): with $p = 1$ the loss becomes $\log\|\text{err}\|^2$,
-# whose minimiser is not the conditional mean of the noisy target, and the 8-step distance was
-# 2-3x worse than with $p = 0.5$; and a time embedding with the usual $1000\,t$ scaling makes
-# $\frac{d}{dt}u$ stiff, which cost 3x in the 1-step distance (hence `emb_scale = 10`).
+# $1/(\|\text{err}\|^2 + \epsilon)^p$. Two details matter more than one would guess (one run each, 3000 steps,
+# `params/00_flows_2d/gap/`, docs/results/stage0_flows_2d.md): with $p = 1$ the loss becomes $\log\|\text{err}\|^2$,
+# whose minimiser is not the conditional mean of the noisy target, and the 8-step distance is
+# 1.7-1.8x worse than with $p = 0.5$ (one step is no worse: $p$ trades few steps against many); and a time
+# embedding with the usual $1000\,t$ scaling makes $\frac{d}{dt}u$ stiff, which costs 2.6-3.7x in the 1-step
+# distance (hence `emb_scale = 10`).
 #
 # **ShortCut.** Condition on the step size $d$ and ask that one step of $2d$ equal two steps of $d$:
 # $$s(x_t, t, 2d) \approx \tfrac12\big[s(x_t, t, d) + s(x'_{t+d}, t + d, d)\big],\qquad x'_{t+d} = x_t + d\,s(x_t, t, d),$$
