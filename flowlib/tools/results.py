@@ -138,19 +138,22 @@ def publish_flows_2d(src: Path, record: str, force: bool = False) -> Path:
     return dest
 
 
+def flows_2d_steps(table_: pd.DataFrame) -> list[str]:
+    """The columns of notebook 00's table that hold distances, one per number of steps (``1 step``, ``8 steps``)."""
+    return [c for c in table_ if c not in ("target", "method")]
+
+
 def flows_2d_problems(path: Path) -> list[str]:
     """What is wrong with notebook 00's table at ``path``: a cell that is not a finite, non-negative distance, or a
     target without its data floor (``check``'s test of a 2D record, whose samples are not committed)."""
     table_ = pd.read_csv(path)
-    steps = [c for c in table_ if c not in ("target", "method")]
-    problems = [] if {"target", "method"} <= set(table_) and steps else [
-        f"{shown(path)}: expected the columns target, method and one per number of steps, got {list(table_)}"]
-    if problems:
-        return problems
+    steps = flows_2d_steps(table_)
+    if not {"target", "method"} <= set(table_) or not steps:
+        return [f"{shown(path)}: expected the columns target, method and one per number of steps, got {list(table_)}"]
     values = table_[steps].apply(pd.to_numeric, errors="coerce")
     bad = table_[~(values.ge(0) & values.lt(float("inf"))).all(axis=1)]
-    problems += [f"{shown(path)}: {r.target} / {r.method} has a distance that is not finite and non-negative"
-                 for r in bad.itertuples()]
+    problems = [f"{shown(path)}: {r.target} / {r.method} has a distance that is not finite and non-negative"
+                for r in bad.itertuples()]
     problems += [f"{shown(path)}: target {t} has no {FLOWS_2D_FLOOR!r} row"
                  for t in table_["target"].unique() if not (table_["target"].eq(t) & table_["method"].eq(FLOWS_2D_FLOOR)).any()]
     return problems
@@ -253,7 +256,7 @@ def flows_2d_table(path: Path) -> str:
     """Notebook 00's sliced-Wasserstein table as the results pages print it: a row per target and model, a column per
     number of steps, 3 decimals."""
     table_ = pd.read_csv(path)
-    steps = [c for c in table_ if c not in ("target", "method")]
+    steps = flows_2d_steps(table_)
     lines = ["| target | model | " + " | ".join(steps) + " |", "|---|---|" + "---|" * len(steps)]
     for r in table_.to_dict("records"):
         lines.append(f"| {r['target']} | {r['method']} | " + " | ".join(f"{r[c]:.3f}" for c in steps) + " |")
@@ -320,7 +323,7 @@ def record_values(folder: Path) -> list[float]:
     for record in records(folder):
         if (record / FLOWS_2D_TABLE).is_file():  # every distance of a 2D-flows table
             table_ = pd.read_csv(record / FLOWS_2D_TABLE)
-            out += [float(v) for v in table_.drop(columns=["target", "method"]).to_numpy().ravel()]
+            out += [float(v) for v in table_[flows_2d_steps(table_)].to_numpy().ravel()]
             continue
         table_ = pd.read_csv(record / "results.csv")
         keys = ["success", "se", "diff", "diff_se", "success_at_end", *[c for c in table_ if c.endswith("_once")]]
